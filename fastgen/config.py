@@ -1,0 +1,161 @@
+"""Frozen configuration records, one per component, and the one place "auto" is resolved.
+
+Each component receives only its own record: the cache gets :class:`CacheConfig`, the
+scheduler :class:`SchedulerConfig`. :func:`resolve_engine_config` turns user options
+(which may say ``"auto"``) into concrete values once, at engine construction.
+Environment variables are read here and nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidRequestError
+
+# Measured on the 2-core AMX CPU this project targets (docs/architecture.md,
+# "Choosing the token budget"): forward time per token flattens out near 256 tokens
+# per step for SmolLM2-135M in bf16; larger steps only add latency to the decodes
+# that share them.
+DEFAULT_BUDGET_TOKENS = 256
+DEFAULT_MAX_SEQS = 64
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+
+SCHEDULERS = ("splitfuse",)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the KV block pool. ``num_blocks`` is resolved from a byte budget when not given."""
+
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits of the scheduler.
+
+    budget_tokens: tokens (prompt chunks + decode tokens) one forward pass carries at most.
+    max_seqs: sequences that may be running (admitted, holding KV blocks) at once.
+    reserve_blocks: free blocks kept back when admitting a new prompt, so that running
+        decodes can keep growing without an immediate preemption.
+    policy: name of the scheduling policy.
+    """
+
+    budget_tokens: int
+    max_seqs: int
+    reserve_blocks: int
+    policy: str = "splitfuse"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, fully resolved (no "auto" left)."""
+
+    model_path: str
+    dtype: torch.dtype
+    device: torch.device
+    num_threads: int
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    max_model_len: int
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU has native bf16 matrix support (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` -> bf16 on CUDA or on a CPU with AVX512-BF16/AMX, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16()):
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(
+            f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}", param="dtype")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None``/``auto`` -> the ``FASTGEN_DEVICE`` variable, else CUDA when present, else CPU."""
+    if device is None or device == "auto":
+        device = os.environ.get("FASTGEN_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a user may pass to ``pipeline(...)`` / ``fastgen serve``; "auto" allowed."""
+
+    dtype: str = "auto"
+    device: str | None = None
+    num_threads: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    budget_tokens: int = DEFAULT_BUDGET_TOKENS
+    max_seqs: int = DEFAULT_MAX_SEQS
+    reserve_blocks: int | None = None
+    max_model_len: int | None = None
+    scheduler: str = "splitfuse"
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "EngineOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown engine option(s) {unknown}; known: {sorted(names)}", param=unknown[0])
+        return cls(**kwargs)
+
+
+def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_per_token: int,
+                          model_max_len: int) -> EngineConfig:
+    """Resolve every "auto" in ``options`` against the machine and the loaded model."""
+    for name in ("num_threads", "block_size", "num_blocks", "kv_cache_bytes", "budget_tokens",
+                 "max_seqs", "max_model_len"):
+        _positive(name, getattr(options, name))
+    if options.reserve_blocks is not None and options.reserve_blocks < 0:
+        raise InvalidRequestError("reserve_blocks must be >= 0", param="reserve_blocks")
+    if options.scheduler not in SCHEDULERS:
+        raise InvalidRequestError(
+            f"scheduler must be one of {SCHEDULERS}, got {options.scheduler!r}", param="scheduler")
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    num_threads = options.num_threads or int(os.environ.get("FASTGEN_NUM_THREADS", 0)) \
+        or len(os.sched_getaffinity(0))
+    elem_size = torch.empty((), dtype=dtype).element_size()
+    bytes_per_block = kv_elems_per_token * elem_size * options.block_size
+    num_blocks = options.num_blocks or max(1, options.kv_cache_bytes // bytes_per_block)
+    max_model_len = min(options.max_model_len or model_max_len, model_max_len)
+    reserve = options.reserve_blocks if options.reserve_blocks is not None \
+        else min(num_blocks // 16, options.max_seqs)
+    return EngineConfig(
+        model_path=model_path, dtype=dtype, device=device, num_threads=num_threads,
+        cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(budget_tokens=options.budget_tokens, max_seqs=options.max_seqs,
+                                  reserve_blocks=reserve, policy=options.scheduler),
+        max_model_len=max_model_len,
+    )

@@ -1,0 +1,273 @@
+"""The engine: schedule -> build the ragged batch -> forward -> sample -> update. No I/O.
+
+``Engine.step()`` runs one forward pass over whatever the scheduler planned and returns
+what each touched request produced. Callers (the pipeline, the server loop) add requests,
+call ``step`` while ``has_unfinished()``, and collect finished requests with ``response``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .batch import SeqInput, build_batch
+from .cache import BlockAllocator, KVPool
+from .config import EngineConfig, EngineOptions, resolve_engine_config
+from .errors import InvalidRequestError, PromptTooLongError
+from .model.llama import ModelConfig
+from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+from .request import FinishReason, Request, RequestStatus, Response, SamplingParams
+from .sampling import SamplingRow, sample, token_logprob
+from .scheduler import make_scheduler
+from .text import TextStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one request produced in one step (possibly nothing, if its prompt is still being split)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_preemptions: int
+    last_step_prompt_tokens: int
+    last_step_decode_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any,
+                 model_config: ModelConfig) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        cache = config.cache
+        self.pool = KVPool(num_layers=model_config.num_layers, num_blocks=cache.num_blocks,
+                           block_size=cache.block_size, num_kv_heads=model_config.num_kv_heads,
+                           head_dim=model_config.head_dim, dtype=config.dtype, device=config.device)
+        self.allocator = BlockAllocator(cache.num_blocks)
+        self.scheduler = make_scheduler(config.scheduler, self.allocator, cache.block_size)
+        self._requests: dict[str, Request] = {}
+        self._texts: dict[str, TextStream] = {}
+        self._ids = itertools.count()
+        self._generator = torch.Generator().manual_seed(secrets.randbits(63))
+        self._num_preemptions = 0
+        self._last_step = (0, 0)
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":
+        """Load ``model`` (a HF folder or .gguf file; None = the embedded SmolLM2) and build an engine."""
+        opts = EngineOptions.from_kwargs(options)
+        path = resolve_model_path(model)
+        hf_config = load_hf_config(path)
+        model_config = ModelConfig.from_hf(hf_config)
+        config = resolve_engine_config(path, opts, kv_elems_per_token=model_config.kv_elems_per_token,
+                                       model_max_len=model_config.max_position_embeddings)
+        torch.set_num_threads(config.num_threads)
+        net = load_model(path, dtype=config.dtype, device=config.device,
+                         max_positions=config.max_model_len, hf_config=hf_config)
+        return cls(config, net, load_tokenizer(path), model_config)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request. Raises :class:`InvalidRequestError` naming the problem."""
+        prompt_ids, prompt_text = self._tokenize(prompt)
+        n = len(prompt_ids)
+        limit = min(self.config.max_model_len, params.max_length or self.config.max_model_len)
+        if n >= limit:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; the limit is {limit - 1} so that at least one token can be "
+                f"generated (max_model_len={self.config.max_model_len}, max_length={params.max_length})",
+                param="prompt")
+        max_tokens = min(limit, n + params.max_new_tokens)
+        capacity = self.config.cache.num_blocks * self.config.cache.block_size
+        if max_tokens > capacity:
+            raise PromptTooLongError(
+                f"request needs up to {max_tokens} KV slots but the whole KV pool holds {capacity}; "
+                f"lower max_new_tokens or enlarge the pool", param="max_new_tokens")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        req = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
+                      max_tokens=max_tokens, prompt_text=prompt_text,
+                      generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+                      logprobs=[] if params.logprobs is not None else None,
+                      prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        self._requests[request_id] = req
+        self._texts[request_id] = TextStream(self.tokenizer.backend_tokenizer, params.stop)
+        self.scheduler.add(req)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            if not ids:
+                raise InvalidRequestError("prompt is empty after tokenization", param="prompt")
+            return list(ids), prompt
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequestError("prompt token list is empty", param="prompt")
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+            return list(prompt), self.tokenizer.decode(list(prompt))
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                  param="prompt")
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed now. Unknown or finished ids are ignored."""
+        req = self._requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def response(self, request_id: str) -> Response:
+        """The finished request's :class:`Response`; forgets the request."""
+        req = self._requests[request_id]
+        if not req.is_finished:
+            raise InvalidRequestError(f"request {request_id!r} has not finished", param="request_id")
+        del self._requests[request_id]
+        text = self._texts.pop(request_id).text
+        if req.params.return_full_text:
+            text = req.prompt_text + text
+        return Response(
+            request_id=request_id, generated_text=text, token_ids=tuple(req.output_token_ids),
+            prompt_length=req.num_prompt_tokens, generated_length=req.num_output_tokens,
+            finish_reason=req.finish_reason, timings=req.timings(),
+            logprobs=None if req.logprobs is None else tuple(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else tuple(req.prompt_logprobs),
+            num_preemptions=req.num_preemptions, error=req.error)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            num_free_blocks=self.allocator.num_free_blocks, num_used_blocks=self.allocator.num_used_blocks,
+            num_preemptions=self._num_preemptions, last_step_prompt_tokens=self._last_step[0],
+            last_step_decode_tokens=self._last_step[1])
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        self._num_preemptions += len(plan.preempted_ids)
+        if not plan.chunks:
+            return []
+        reqs = [self._requests[c.request_id] for c in plan.chunks]
+        seqs = [self._seq_input(r, c.num_tokens) for r, c in zip(reqs, plan.chunks)]
+        num_decode = sum(1 for r in reqs if r.is_decoding)
+        self._last_step = (plan.num_tokens - num_decode, num_decode)
+        now = time.perf_counter()
+        for r in reqs:
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+        try:
+            batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
+            logits = self.model(batch, self.pool)                  # [num_logits, vocab] fp32
+        except Exception as e:  # an engine-wide failure: fail this step's requests, keep serving
+            log.exception("forward pass failed")
+            return [self._finish(r, FinishReason.ERROR, f"forward pass failed: {e}") for r in reqs]
+
+        rows: dict[int, torch.Tensor] = {}
+        row = 0
+        for i in batch.order:
+            rows[i] = logits[row:row + seqs[i].num_logits]
+            row += seqs[i].num_logits
+        samplers: list[tuple[int, Request]] = []
+        for i, (r, c) in enumerate(zip(reqs, plan.chunks)):
+            start = r.num_computed_tokens
+            r.num_computed_tokens += c.num_tokens
+            if seqs[i].num_logits > 1 or (r.prompt_logprobs is not None and seqs[i].num_logits):
+                self._record_prompt_logprobs(r, start, rows[i])
+            if r.num_computed_tokens == r.num_tokens:
+                samplers.append((i, r))
+        outputs = [StepOutput(r.request_id, (), "", None) for i, r in enumerate(reqs)
+                   if r.num_computed_tokens < r.num_tokens]
+        if samplers:
+            outputs += self._sample_and_update(samplers, rows)
+        return outputs
+
+    def _seq_input(self, r: Request, n: int) -> SeqInput:
+        start = r.num_computed_tokens
+        samples = start + n == r.num_tokens
+        want_prompt_lp = (r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1
+                          and len(r.prompt_logprobs) < r.num_prompt_tokens - 1)
+        num_logits = n if want_prompt_lp else int(samples)
+        return SeqInput(r.token_ids_slice(start, start + n), start, r.block_ids, num_logits)
+
+    def _record_prompt_logprobs(self, r: Request, start: int, logits: torch.Tensor) -> None:
+        lp = torch.log_softmax(logits, dim=-1)
+        for j in range(logits.shape[0]):
+            target = start + j + 1  # the logits at position p predict token p + 1
+            if target < r.num_prompt_tokens and len(r.prompt_logprobs) == target - 1:
+                tok = r.prompt_token_ids[target]
+                r.prompt_logprobs.append(token_logprob(lp[j], tok, r.params.prompt_logprobs))
+
+    def _sample_and_update(self, samplers: list[tuple[int, Request]],
+                           rows: dict[int, torch.Tensor]) -> list[StepOutput]:
+        logits = torch.cat([rows[i][-1:] for i, _ in samplers])     # [num_sampling, vocab]
+        srows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                             tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else ())
+                 for _, r in samplers]
+        token_ids, logprobs = sample(logits, srows, self._generator)
+        now = time.perf_counter()
+        outputs = []
+        for (_, r), tok, lp in zip(samplers, token_ids, logprobs):
+            try:
+                outputs.append(self._append_token(r, tok, lp, now))
+            except Exception as e:  # e.g. a detokenizer failure: only this request ends
+                log.exception("request %s failed", r.request_id)
+                outputs.append(self._finish(r, FinishReason.ERROR, str(e)))
+        return outputs
+
+    def _append_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:
+        r.output_token_ids.append(tok)
+        r.token_times.append(now)
+        if r.logprobs is not None:
+            r.logprobs.append(lp)
+        reason = None
+        delta = ""
+        if tok in self.eos_token_ids and not r.params.ignore_eos:
+            reason = FinishReason.STOP
+        else:
+            delta, stopped = self._texts[r.request_id].push(
+                tok, check_stop=r.num_output_tokens >= r.params.min_new_tokens)
+            if stopped:
+                reason = FinishReason.STOP
+            elif r.num_tokens >= r.max_tokens:
+                reason = FinishReason.LENGTH
+        if reason is None:
+            return StepOutput(r.request_id, (tok,), delta, None)
+        end = self._finish(r, reason)
+        return StepOutput(r.request_id, (tok,), delta + end.text_delta, reason)
+
+    def _finish(self, r: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
+        delta = self._texts[r.request_id].flush()  # empty after a stop-string match
+        r.finish_reason = reason
+        r.error = error
+        r.finished_time = time.perf_counter()
+        self.scheduler.finish(r)
+        return StepOutput(r.request_id, (), delta, reason)

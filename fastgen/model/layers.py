@@ -1,0 +1,89 @@
+"""Building blocks of Llama-family models.
+
+The linear layers are laid out for tensor parallelism: :class:`ColumnLinear` (fused
+QKV, fused gate/up) splits its *output* features into named parts, each of which a
+tensor-parallel rank would shard along dim 0; :class:`RowLinear` (attention output,
+down projection) would shard its *input* features and all-reduce its output. With one
+rank, both are plain matmuls.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ColumnLinear(nn.Module):
+    """``y = x @ W.T (+ b)`` whose output is the concatenation of ``output_sizes`` parts."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__()
+        self.output_sizes = list(output_sizes)
+        self.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(sum(output_sizes)), requires_grad=False) if bias else None
+
+    def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor ``name`` ("weight"/"bias") into output part ``part``."""
+        start = sum(self.output_sizes[:part])
+        target = getattr(self, name)
+        if target is None:
+            raise ValueError(f"checkpoint has a {name} this layer was not built with")
+        dst = target.data[start:start + self.output_sizes[part]]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for part {part} {name}: {tuple(tensor.shape)} vs {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """``y = x @ W.T (+ b)``; a tensor-parallel rank would hold a slice of the input features."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference, then scale in the model dtype.
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_positions``, built once.
+
+    ``inv_freq`` and ``attention_scaling`` come from transformers' RoPE functions so that
+    every scaling type the config may ask for (linear, llama3, yarn, ...) matches the
+    reference exactly.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int) -> None:
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.float().cpu())
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

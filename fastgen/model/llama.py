@@ -1,0 +1,205 @@
+"""One Llama-family decoder driven by its config: Llama 2/3, Mistral, Qwen2, SmolLM.
+
+Differences between the family members are config facts: grouped-query attention
+(``num_key_value_heads``), a bias on the QKV projection (Qwen2), tied input/output
+embeddings (SmolLM, small Qwen2), RoPE scaling (Llama 3.x), a sliding window (Mistral,
+honoured by capping the context at the window).
+
+Checkpoint names are the Hugging Face ones; :data:`STACKED` maps the separate q/k/v and
+gate/up projections onto the fused layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..batch import RaggedBatch
+from ..cache import KVPool
+from ..errors import ModelLoadError
+from .attention import ragged_attention
+from .layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        max_pos = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True) and window < max_pos:
+            max_pos = window  # within the window, full attention equals sliding-window attention
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
+        act = getattr(hf, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"unsupported activation {act!r}; fastgen's Llama family uses SiLU")
+        return cls(
+            model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
+            num_heads=num_heads, num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias, o_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)), hidden_act=act,
+            bos_token_id=getattr(hf, "bos_token_id", None), eos_token_ids=eos_ids)
+
+
+def rope_parameters(hf: Any) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` for the config's RoPE, via transformers' own functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        dim = int(dim * params.get("partial_rotary_factor", 1.0))
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    if rope_type in ("dynamic", "longrope") or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (its frequencies change "
+                             f"with the sequence length); supported: default, linear, llama3, yarn")
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv, float(scaling)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias)
+        self.o_proj = RowLinear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: RotaryEmbedding) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(batch.positions, q, k)
+        o = ragged_attention(self.layer, q, k, v, batch, pool, self.scale)
+        return self.o_proj(o.view(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
+        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, pool, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF checkpoint name fragment -> (fused module attribute, part index)
+STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(batch, pool) -> logits [len(batch.logits_indices), vocab]`` in fp32."""
+
+    def __init__(self, cfg: ModelConfig, hf_config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq, scaling = rope_parameters(hf_config)
+        self.rope = RotaryEmbedding(inv_freq, scaling, max_positions)
+
+    @torch.inference_mode()
+    def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
+        x = self.embed_tokens(batch.token_ids)                     # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, batch, pool, self.rope)
+        x = self.norm(x[batch.logits_indices])                     # [num_logits, hidden]
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(x, w).float()            # [num_logits, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the output projection
+            if "rotary_emb" in name:
+                continue
+            fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
+            if fused is not None:
+                frag, target, part = fused
+                module_name, _, kind = name.replace(frag, target).rpartition(".")
+                module = self.get_submodule(module_name)
+                with torch.no_grad():
+                    module.load_part(part, kind, tensor.to(module.weight.dtype))
+                loaded.add(f"{module_name}.{kind}#{part}")
+                continue
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to a {self.config.model_type} model")
+            if params[name].shape != tensor.shape:
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+        expected = set()
+        for pname, p in params.items():
+            module_name, _, kind = pname.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, ColumnLinear):
+                expected.update(f"{pname}#{i}" for i in range(len(module.output_sizes)))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")

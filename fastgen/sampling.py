@@ -1,0 +1,130 @@
+"""Vectorised sampling over the rows of one step, each row with its own parameters.
+
+Order, as in transformers: penalties -> (min_new_tokens masks EOS) -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> one draw. A draw is an inverse-CDF lookup
+with a single uniform number per row, taken from the request's own generator when it
+has a seed, so a seeded request's tokens do not depend on its batch mates. Top-p never
+sorts the vocabulary: it widens a top-k window until the window holds ``top_p`` of the
+mass (a full sort of 49k logits per row costs more than the forward pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    suppress_token_ids: tuple[int, ...]     # e.g. EOS while below min_new_tokens
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: repetition (prompt + output), presence and frequency (output) penalties."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, device=logits.device).unique()
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.tensor(row.output_token_ids, device=logits.device).unique(return_counts=True)
+            logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest probability kept by nucleus sampling. probs: [n, V], top_p: [n]."""
+    vocab = probs.shape[-1]
+    k = min(64, vocab)
+    while True:
+        vals = probs.topk(k, dim=-1).values                     # [n, k], descending
+        mass = vals.cumsum(-1)
+        covered = mass[:, -1] >= top_p
+        if bool(covered.all()) or k == vocab:
+            # first index whose cumulative mass reaches top_p (last index if none does)
+            idx = (mass < top_p[:, None]).sum(-1).clamp(max=k - 1)
+            return vals.gather(1, idx[:, None]).squeeze(1)
+        k = min(k * 4, vocab)
+
+
+def _draw(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+    """One inverse-CDF draw per row of (unnormalised) ``probs``."""
+    u = torch.rand(len(rows), generator=generator, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            u[i] = torch.rand(1, generator=row.generator, dtype=torch.float64)[0]
+    cdf = probs.double().cumsum(-1)                             # [n, V]
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [n, V] fp32, one row per request that samples this step.
+
+    Returns the chosen token ids and, for rows that asked for them, their logprobs
+    (of the model's distribution, before penalties and temperature).
+    """
+    n, vocab = logits.shape
+    want_lp = [r.params.logprobs is not None for r in rows]
+    raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if any(want_lp) else None
+    if any(r.params.has_penalties for r in rows):
+        apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        if r.suppress_token_ids:
+            logits[i, list(r.suppress_token_ids)] = float("-inf")
+
+    chosen = logits.argmax(-1)
+    sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sample_idx:
+        srows = [rows[i] for i in sample_idx]
+        dev = logits.device
+
+        def col(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev)
+
+        temp = col([r.params.temperature for r in srows])
+        probs = torch.softmax(logits[sample_idx] / temp[:, None], dim=-1)   # [s, V]
+        top_k = [r.params.top_k for r in srows]
+        if any(0 < k < vocab for k in top_k):
+            k_max = max(k for k in top_k if k > 0)
+            kth = probs.topk(min(k_max, vocab), dim=-1).values                # [s, k_max]
+            idx = torch.tensor([(k if 0 < k < vocab else k_max) - 1 for k in top_k], device=dev)
+            thr = torch.where(torch.tensor([0 < k < vocab for k in top_k], device=dev),
+                              kth.gather(1, idx[:, None].clamp(max=kth.shape[1] - 1)).squeeze(1), 0.0)
+            probs = torch.where(probs >= thr[:, None], probs, 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
+        top_p = col([r.params.top_p for r in srows])
+        if bool((top_p < 1).any()):
+            thr = torch.where(top_p < 1, _top_p_threshold(probs, top_p), 0.0)
+            probs = torch.where(probs >= thr[:, None], probs, 0.0)
+        min_p = col([r.params.min_p for r in srows])
+        if bool((min_p > 0).any()):
+            thr = min_p * probs.max(-1).values
+            probs = torch.where(probs >= thr[:, None], probs, 0.0)
+        chosen[sample_idx] = _draw(probs, srows, generator)
+
+    token_ids = chosen.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * n
+    if raw_logprobs is not None:
+        lp_rows = [i for i in range(n) if want_lp[i]]
+        for j, i in enumerate(lp_rows):
+            logprobs[i] = token_logprob(raw_logprobs[j], token_ids[i], rows[i].params.logprobs)
+    return token_ids, logprobs
+
+
+def token_logprob(logprobs_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    """The chosen token's logprob and the ``num_top`` most likely alternatives."""
+    top: dict[int, float] = {}
+    if num_top:
+        vals, ids = logprobs_row.topk(num_top)
+        top = dict(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token_id=token_id, logprob=float(logprobs_row[token_id]), top=top)
