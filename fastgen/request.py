@@ -189,7 +189,7 @@ class Response:
         return self.generated_text
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared by object, never by value
 class Request:
     """Engine-side state of one generation. Mutated only by the engine and scheduler."""
 

@@ -130,7 +130,7 @@ def iter_gguf_tensors(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         if arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k"):
             w = _unpermute(w, cfg.num_heads if m.group(2) == "attn_q" else cfg.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:

