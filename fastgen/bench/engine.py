@@ -13,11 +13,15 @@ One run measures, in order:
 3. decode: steady-state ``Engine.step()`` calls in which every request decodes, batch 1..64;
    batch 1 against the bandwidth bound (weight bytes read per step / read bandwidth);
 4. forward time against tokens per step: the curve that picks ``DEFAULT_BUDGET_TOKENS``;
-5. host overhead: the part of a batch-32 decode step that is not the model forward.
+5. host overhead: the part of a batch-32 decode step that is not the model forward (the
+   forward inside ``Engine.step()`` is timed by wrapping ``engine.model`` for the run).
 
-Machine limits are peaks (best of N); engine figures are medians of N. Results go to
-stdout, every number to a JSON file (``--out``), and the curve to a PNG beside it when
-matplotlib is installed. Every loop is bounded in iterations and in seconds.
+Machine limits are peaks (best of N); engine figures are medians of N, host overhead a
+mean. The weight-sized read is there because a model smaller than the last-level cache
+is not read from DRAM. Results go to stdout, every number to a JSON file (``--out``), and
+the curve to a PNG beside it when matplotlib is installed. Every loop is bounded in
+iterations and in seconds. Run it on an idle machine: it warns when other processes
+keep CPUs busy, since the engine's threads then wait on each other.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from ..batch import RaggedBatch
 from ..cache import KVPool
 from ..errors import ModelLoadError
 from .attention import ragged_attention
-from .layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
+from .layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, apply_rope, linear
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,12 @@ class Attention(nn.Module):
         self.o_proj = RowLinear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: Rope) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(batch.positions, q, k)
         o = ragged_attention(self.layer, q, k, v, batch, pool, self.scale)
         return self.o_proj(o.view(t, -1))
 
@@ -131,9 +130,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: Rope) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, pool, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] of the step's positions
 
 
 # HF checkpoint name fragment -> (fused module attribute, part index)
@@ -160,11 +162,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.token_ids)                     # [T, hidden]
+        rope = self.rope.tables(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, batch, pool, self.rope)
+            x = layer(x, batch, pool, rope)
         x = self.norm(x[batch.logits_indices])                     # [num_logits, hidden]
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(x, w).float()            # [num_logits, vocab]
+        return linear(x, w, None).float()                          # [num_logits, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""
