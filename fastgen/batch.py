@@ -53,7 +53,7 @@ class Chunk:
     num_q: int
     start_pos: int
     block_table: torch.Tensor        # [num_blocks] int64, device
-    mask: torch.Tensor | None        # [num_q, num_blocks * block_size] bool; None when start_pos == 0
+    mask: torch.Tensor | None        # [1, 1, num_q, num_blocks * block_size] additive (0 / -inf); None when start_pos == 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class RaggedBatch:
     slots: torch.Tensor               # [T] int64, flat KV slot of each token
     num_decodes: int                  # the first num_decodes tokens are single-token sequences
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None          # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None          # [num_decodes, 1, 1, max_blocks * block_size] additive (0 / -inf)
     chunks: tuple[Chunk, ...]
     logits_indices: torch.Tensor      # [num_logits] int64 rows of the flat batch to unembed
     order: tuple[int, ...]            # order[i] = index into the caller's seq list of flat seq i
@@ -73,8 +73,12 @@ class RaggedBatch:
         return int(self.token_ids.shape[0])
 
 
-def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device) -> RaggedBatch:
+def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device,
+                dtype: torch.dtype) -> RaggedBatch:
     """Lay ``seqs`` out as a :class:`RaggedBatch`; single-token sequences first.
+
+    Masks are additive, in the model's ``dtype``, built once here for every layer (a
+    boolean mask would be converted by attention in each layer).
 
     ``logits_indices`` lists, in the order of the flat sequences, the rows whose logits are
     wanted (for each sequence its last ``num_logits`` tokens).
@@ -106,19 +110,23 @@ def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device) -> 
     def t(x: list) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
+    def additive(visible: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=dtype, device=device)
+        return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
+
     pos_t = t(positions)
     decode_bt = decode_mask = None
     if decode_tables:
         width = max(len(b) for b in decode_tables)
         decode_bt = t([b + [0] * (width - len(b)) for b in decode_tables])
         key_pos = torch.arange(width * block_size, device=device)
-        decode_mask = (key_pos[None, :] < t(decode_lens)[:, None]).view(len(decode_lens), 1, 1, -1)
+        decode_mask = additive(key_pos[None, :] < t(decode_lens)[:, None]).view(len(decode_lens), 1, 1, -1)
     chunks = []
     for q_start, n, start, blocks in chunk_specs:
         mask = None
         if start > 0:
             key_pos = torch.arange(len(blocks) * block_size, device=device)
-            mask = key_pos[None, :] <= pos_t[q_start:q_start + n, None]
+            mask = additive(key_pos[None, :] <= pos_t[q_start:q_start + n, None]).view(1, 1, n, -1)
         chunks.append(Chunk(q_start, n, start, t(blocks), mask))
     return RaggedBatch(
         token_ids=t(token_ids), positions=pos_t, slots=t(slots), num_decodes=len(decode_tables),

@@ -185,7 +185,7 @@ class Engine:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
         try:
-            batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
+            batch = build_batch(seqs, self.config.cache.block_size, self.config.device, self.config.dtype)
             logits = self.model(batch, self.pool)                  # [num_logits, vocab] fp32
         except Exception as e:  # an engine-wide failure: fail this step's requests, keep serving
             log.exception("forward pass failed")

@@ -36,7 +36,7 @@ def ragged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         else:
             kc, vc = pool.gather(layer, c.block_table.unsqueeze(0))  # [1, L, KVH, D]
             o = F.scaled_dot_product_attention(
-                qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=c.mask.unsqueeze(0).unsqueeze(0),
+                qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=c.mask,
                 scale=scale, enable_gqa=gqa)
         out[c.q_start:c.q_start + c.num_q] = o.squeeze(0).transpose(0, 1)
     return out

@@ -89,15 +89,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim]`` for the step's positions; computed once per step."""
-        return (self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
+        """cos and sign-folded sin ``[T, 1, head_dim]`` for the step's positions; once per step.
+
+        ``rotate_half(x) * sin == swap_halves(x) * signed_sin`` with ``signed_sin = [-sin, sin]``
+        over the two halves, which saves the negation and concatenation in every layer.
+        """
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        sin = self.sin[positions].to(dtype).unsqueeze(1)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim] (see ``RotaryEmbedding.tables``)."""
+    t, h, d = x.shape
+    swapped = x.reshape(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return torch.addcmul(x * cos, swapped, signed_sin)

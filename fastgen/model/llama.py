@@ -103,10 +103,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: Rope) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)                                          # [T, (H + 2 KVH) * D]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = apply_rope(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), *rope)  # q and k rotated together
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
         o = ragged_attention(self.layer, q, k, v, batch, pool, self.scale)
         return self.o_proj(o.view(t, -1))
 

@@ -38,7 +38,7 @@ def ragged_logits(model, cfg, sequences: list[list[int]], *, block_size: int, se
             n = min(rng.randint(1, max_chunk), len(sequences[i]) - done[i])
             seqs.append(SeqInput(sequences[i][done[i]:done[i] + n], done[i], tables[i], n))
             ids.append(i)
-        batch = build_batch(seqs, block_size, torch.device("cpu"))
+        batch = build_batch(seqs, block_size, torch.device("cpu"), next(model.parameters()).dtype)
         logits = model(batch, pool)
         row = 0
         for k in batch.order:
