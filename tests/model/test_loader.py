@@ -1,0 +1,49 @@
+"""Model resolution and the GGUF metadata cache."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fastgen.errors import ModelLoadError
+from fastgen.model import loader
+
+
+def test_cached_gguf_tokenizer_and_config_equal_the_converted_ones(smollm2_path, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path))
+    fresh_cfg, fresh_tok = loader._load_gguf_meta(smollm2_path)      # converts and writes the cache
+    assert (loader._gguf_meta_dir(smollm2_path) / "tokenizer.json").is_file()
+    cached_cfg, cached_tok = loader._load_gguf_meta(smollm2_path)    # reads the cache
+    ignore = {"transformers_version": None, "_name_or_path": None}
+    assert cached_cfg.to_dict() | ignore == fresh_cfg.to_dict() | ignore
+    direct = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    texts = ["Hello world", " leading space", "émoji 😀 and <|im_start|>user\nhi<|im_end|>", "def f(x):\n\treturn x"]
+    for text in texts:
+        assert cached_tok(text).input_ids == direct(text).input_ids == fresh_tok(text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert cached_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        direct.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert cached_tok.eos_token_id == direct.eos_token_id
+
+
+def test_default_model_is_found_through_package_metadata():
+    path = loader.resolve_model_path(None)
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+
+
+def test_resolve_rejects_non_model_files(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        loader.resolve_model_path(str(f))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="gpt2"):
+        loader.load_model(str(tmp_path), dtype=__import__("torch").float32,
+                          device=__import__("torch").device("cpu"), max_positions=8)
