@@ -121,14 +121,18 @@ def _ensure_dir(p: Path) -> Path:
 
 
 def load_hf_config(path: str) -> Any:
+    """The model's transformers config; raises :class:`ModelLoadError` for an unsupported ``model_type``."""
     from transformers import AutoConfig
 
     try:
         if path.endswith(".gguf"):
-            return _load_gguf_meta(path)[0]
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+            config = _load_gguf_meta(path)[0]
+        else:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad file
         raise ModelLoadError(f"cannot read the model config from {path}: {e}") from e
+    model_class(config.model_type)  # an unsupported architecture is named here, before anything else
+    return config
 
 
 def load_tokenizer(path: str) -> Any:
@@ -200,8 +204,8 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
                hf_config: Any | None = None) -> torch.nn.Module:
     """Instantiate the registered class for the config and fill it from the checkpoint."""
     hf_config = hf_config or load_hf_config(path)
+    cls = model_class(hf_config.model_type)
     cfg = ModelConfig.from_hf(hf_config)
-    cls = model_class(cfg.model_type)
     model = cls(cfg, hf_config, max_positions)
     for p in model.parameters():  # the RoPE tables (buffers) stay fp32, as in the reference
         p.data = p.data.to(dtype)
