@@ -1,9 +1,10 @@
-"""``fastgen generate`` (and later ``serve`` / ``bench``): the command line over the public API."""
+"""``fastgen generate`` and ``fastgen serve`` (later ``bench``): the command line over the public API."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 import typing
@@ -62,6 +63,46 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from .server.config import ServerConfig
+    from .server.launch import API_KEY_ENV, run_server
+
+    config = ServerConfig(
+        model=ns.model, host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
+        api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None, max_queue=ns.max_queue,
+        request_timeout_s=ns.request_timeout_s, drain_timeout_s=ns.drain_timeout_s, replicas=ns.replicas,
+        upstreams=tuple(ns.upstream or ()), engine_options=tuple(_split(ns, EngineOptions).items()),
+        log_level=ns.log_level)
+    return run_server(config)
+
+
+def _add_serve_parser(sub) -> None:
+    from .server.config import DEFAULT_MAX_QUEUE, DEFAULT_PORT
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and fastgen's own /generate)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF model folder or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients send as `model` (default: the model file's stem)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` (or set FASTGEN_API_KEY)")
+    serve.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                       help="sequences that may wait to be scheduled before requests get 429")
+    serve.add_argument("--request-timeout-s", type=float, default=None,
+                       help="default deadline of a request from its arrival (finish_reason 'timeout')")
+    serve.add_argument("--drain-timeout-s", type=float, default=30.0,
+                       help="on SIGTERM, how long in-flight requests may finish before they are cancelled")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="engine processes behind a load-aware balancer (each gets cores/N threads)")
+    serve.add_argument("--upstream", nargs="+", metavar="URL", default=None,
+                       help="balance over these `fastgen serve` URLs instead of running an engine")
+    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    _add_dataclass_options(serve, EngineOptions)
+    serve.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastgen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_options(gen, SamplingParams)
     _add_dataclass_options(gen, EngineOptions)
     gen.set_defaults(func=cmd_generate)
+    _add_serve_parser(sub)
     return parser
 
 

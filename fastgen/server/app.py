@@ -1,0 +1,426 @@
+"""The HTTP app of one engine: OpenAI's completions and chat, fastgen's native ``/generate``,
+tokenize/detokenize, models, health and metrics.
+
+Handlers run on the event loop and never touch the engine: they validate, tokenize (in a
+worker thread), submit to the :class:`EngineLoop`, and turn its deltas into JSON or
+server-sent events. A client that goes away aborts its engine requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from typing import Any, AsyncIterator, Callable, Literal, TypeVar
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import Engine
+from ..errors import EngineDeadError, InvalidRequestError
+from ..request import SamplingParams
+from .config import ServerConfig
+from .engine_loop import Delta, EngineLoop, Stream
+from .errors import APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
+                       CompletionRequest, ResponseBuilder, _Model, model_not_found)
+from .wire import response_to_json
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` matches (``/health`` and ``/metrics`` stay open)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self._key):
+                err = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error, including unknown routes and bugs, answers with an OpenAI-style body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(await request.body())
+    except pydantic.ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+class Server:
+    """State shared by the handlers of one app."""
+
+    def __init__(self, config: ServerConfig, load: Callable[[], Engine]) -> None:
+        self.config = config
+        self.model_name = config.model_name()
+        self.loop = EngineLoop(load, max_queue=config.max_queue)
+        self.metrics = ServerMetrics(self.loop)
+        self.loop.on_step = self.metrics.on_step
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastgen-tokenize")
+
+    # -- engine facts (immutable once loaded) ----------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        if self.loop.state != "ready":
+            raise APIError(503, f"the engine is {self.loop.state}", type="server_error", code="engine_unavailable")
+        return self.loop.engine
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt + generated tokens one request can have: the context, or the KV pool if smaller."""
+        cfg = self.engine.config
+        return min(cfg.max_model_len, cfg.cache.num_blocks * cfg.cache.block_size)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise model_not_found(name, self.model_name)
+
+    @lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    # -- tokenization, off the engine thread -------------------------------------------------------
+
+    async def _off_thread(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _template(self, messages: list[dict]) -> str:
+        tok = self.engine.tokenizer
+        if tok.chat_template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self._off_thread(self._encode, prompt)
+        return list(prompt)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        return await self._off_thread(lambda: self._encode(self._template(messages)))
+
+    # -- submission ---------------------------------------------------------------------------------
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], timeout_s: float | None,
+                     param_names: dict[str, str]) -> Stream:
+        try:
+            return await self.loop.submit(prompts, params, timeout_s or self.config.request_timeout_s)
+        except InvalidRequestError as e:
+            raise from_invalid_request(e, param_names) from None
+        except QueueFullError as e:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+
+    async def collect(self, request: Request, stream: Stream) -> dict[int, Delta]:
+        """Wait for every choice's final delta; abort them if the client disconnects first."""
+        async def drain() -> dict[int, Delta]:
+            return {d.index: d async for d in stream if d.finish_reason is not None}
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(drain())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            stream.close()
+        if not work.done() or work.cancelled():
+            raise APIError(499, "client disconnected", code="client_closed")
+        return work.result()
+
+    # -- OpenAI endpoints ------------------------------------------------------------------------
+
+    async def openai(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
+        if kind == "completion":
+            req = await parse_body(request, CompletionRequest)
+        else:
+            req = await parse_body(request, ChatCompletionRequest)
+        self.check_model(req.model)
+        req.check_supported()
+        names = dict(PARAM_NAMES)
+        if kind == "completion":
+            prompt_ids = [await self.encode(p) for p in req.prompts()]
+            max_new = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+            num_logprobs = req.logprobs
+        else:
+            names.update(prompt="messages", max_new_tokens="max_completion_tokens"
+                         if req.max_completion_tokens else "max_tokens")
+            try:
+                prompt_ids = [await self.encode_chat([m.as_template_dict() for m in req.messages])]
+            except APIError:
+                raise
+            except Exception as e:  # a template that rejects these messages (e.g. the roles' order)
+                raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+            max_new = req.requested_max_tokens or max(1, self.max_total_tokens - len(prompt_ids[0]))
+            num_logprobs = req.num_logprobs
+        try:
+            params = req.sampling_params(max_new, num_logprobs)
+        except InvalidRequestError as e:
+            raise from_invalid_request(e, names) from None
+        n = req.n
+        stream = await self.submit([ids for ids in prompt_ids for _ in range(n)], params * len(prompt_ids),
+                                   req.request_timeout_s, names)
+        builder = ResponseBuilder(kind, self.model_name)
+        if req.stream:
+            return StreamingResponse(self._sse(stream, builder, n, req.include_usage),
+                                     media_type="text/event-stream")
+        finals = await self.collect(request, stream)
+        choices = []
+        for i in range(len(finals)):
+            d = finals[i]
+            if d.response is None or d.finish_reason == "error":
+                err = d.response.error if d.response is not None else "the engine failed"
+                raise APIError(500, f"generation failed: {err}", type="server_error")
+            choices.append((d.response, d.finish_reason))
+        prompt_tokens = sum(choices[p * n][0].prompt_length for p in range(len(prompt_ids)))
+        return JSONResponse(builder.full(choices, prompt_tokens, self.token_text))
+
+    async def _sse(self, stream: Stream, builder: ResponseBuilder, n: int,
+                   include_usage: bool) -> AsyncIterator[str]:
+        started: set[int] = set()
+        prompt_tokens = completion_tokens = 0
+        try:
+            async for d in stream:
+                if d.response is not None:
+                    completion_tokens += d.response.generated_length
+                    if d.index % n == 0:
+                        prompt_tokens += d.response.prompt_length
+                if d.finish_reason == "error":
+                    msg = d.response.error if d.response is not None else "the engine failed"
+                    yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
+                    continue
+                if not d.text and d.finish_reason is None:
+                    continue  # scheduled, nothing generated yet
+                yield sse(builder.chunk(d.index, d.text, d.finish_reason, first=d.index not in started,
+                                        include_usage=include_usage))
+                started.add(d.index)
+            if include_usage:
+                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+            yield SSE_DONE
+        finally:
+            stream.close()
+
+    # -- fastgen's native endpoint (the Python client's) -----------------------------------------
+
+    async def generate(self, request: Request) -> Response:
+        """``{"prompts": ..., "stream": false, "request_timeout_s": null, **generate_kwargs}``.
+
+        Prompts and kwargs mean what they mean to the pipeline (MII's names and defaults).
+        Answers ``{"responses": [Response...]}``, or for ``stream: true`` (one prompt) events
+        ``{"text": delta}`` then ``{"response": Response}`` and ``[DONE]``.
+        """
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        self.check_model(body.pop("model", None))
+        prompts = body.pop("prompts", None)
+        stream_out = body.pop("stream", False)
+        timeout_s = body.pop("request_timeout_s", None)
+        if not isinstance(stream_out, bool):
+            raise bad_request("stream must be a boolean", "stream")
+        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+            raise bad_request("request_timeout_s must be a number > 0", "request_timeout_s")
+        try:
+            params = SamplingParams.from_kwargs(body)
+        except (InvalidRequestError, TypeError) as e:
+            raise bad_request(str(e), getattr(e, "param", None)) from None
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise bad_request("prompts must be a prompt or a non-empty list of prompts", "prompts")
+        if stream_out and len(prompts) != 1:
+            raise bad_request("stream: true takes exactly one prompt", "stream")
+        prompt_ids = []
+        for p in prompts:
+            if isinstance(p, list) and p and all(isinstance(m, dict) for m in p):
+                try:
+                    messages = [ChatMessage.model_validate(m).as_template_dict() for m in p]
+                except pydantic.ValidationError as e:
+                    raise bad_request(f"prompts: bad chat message: {e.errors()[0]['msg']}", "prompts") from None
+                prompt_ids.append(await self.encode_chat(messages))
+            elif isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)):
+                if not p:
+                    raise bad_request("prompts: a prompt is empty", "prompts")
+                prompt_ids.append(await self.encode(p))
+            else:
+                raise bad_request("prompts: each prompt is a string, a list of token ids or a list of "
+                                  "{'role', 'content'} messages", "prompts")
+        stream = await self.submit(prompt_ids, [params] * len(prompt_ids), timeout_s, {"prompt": "prompts"})
+        if stream_out:
+            return StreamingResponse(self._native_sse(stream), media_type="text/event-stream")
+        finals = await self.collect(request, stream)
+        out = []
+        for i in range(len(finals)):
+            d = finals[i]
+            if d.response is None:
+                raise APIError(500, "the engine failed", type="server_error")
+            out.append(response_to_json(d.response, d.finish_reason))
+        return JSONResponse({"responses": out})
+
+    async def _native_sse(self, stream: Stream) -> AsyncIterator[str]:
+        try:
+            async for d in stream:
+                if d.text:
+                    yield sse({"text": d.text})
+                if d.finish_reason is not None:
+                    if d.response is None:
+                        yield sse(APIError(500, "the engine failed", type="server_error").body())
+                    else:
+                        yield sse({"response": response_to_json(d.response, d.finish_reason)})
+            yield SSE_DONE
+        finally:
+            stream.close()
+
+    # -- small endpoints ----------------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> dict:
+        req = await parse_body(request, TokenizeRequest)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            text = await self._off_thread(self._template, [m.as_template_dict() for m in req.messages])
+        else:
+            text = req.prompt
+        ids = await self._off_thread(self._encode, text, req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.config.max_model_len}
+
+    async def detokenize(self, request: Request) -> dict:
+        req = await parse_body(request, DetokenizeRequest)
+        self.check_model(req.model)
+        vocab = self.engine.model_config.vocab_size
+        if not all(0 <= t < vocab for t in req.tokens):
+            raise bad_request(f"tokens must be integers in [0, {vocab})", "tokens")
+        text = await self._off_thread(self.engine.tokenizer.decode, req.tokens)
+        return {"prompt": text}
+
+    def health(self) -> JSONResponse:
+        state = self.loop.state
+        if state == "ready":
+            return JSONResponse({"status": "ok"})
+        body = {"status": state}
+        if self.loop.error is not None:
+            body["error"] = f"{type(self.loop.error).__name__}: {self.loop.error}"
+        return JSONResponse(body, status_code=503)
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "fastgen"}
+        if self.loop.state == "ready":
+            card["max_model_len"] = self.engine.config.max_model_len
+        return {"object": "list", "data": [card]}
+
+    def close(self) -> None:
+        self.loop.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -> FastAPI:
+    """The app of one engine. ``load`` builds the engine (default: ``config.model`` with its options);
+    it runs on the engine thread after the app starts, and ``/health`` answers 503 until it is done."""
+    if load is None:
+        def load() -> Engine:
+            return Engine.from_pretrained(config.model, **config.engine_kwargs)
+
+    server = Server(config, load)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            server.close()
+
+    app = FastAPI(title="fastgen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.openai(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.openai(request, "chat")
+
+    app.add_api_route("/generate", server.generate, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

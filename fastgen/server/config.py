@@ -1,0 +1,94 @@
+"""The server's own configuration (the engine's stays in :mod:`fastgen.config`)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import EngineOptions
+from ..errors import InvalidRequestError
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 256
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What ``fastgen serve`` was asked for.
+
+    max_queue: sequences (prompts x ``n``) that may wait to be scheduled; more are refused
+        with 429 and ``Retry-After``.
+    request_timeout_s: default deadline of every request, from its arrival (``None`` = none);
+        a request may set its own with the ``request_timeout_s`` field.
+    drain_timeout_s: on SIGTERM, how long in-flight requests may run before they are cancelled.
+    replicas: engine processes behind a load balancer (1 = no balancer).
+    upstreams: other ``fastgen serve`` URLs to balance over (no local engine then).
+    engine_options: keywords for :class:`fastgen.config.EngineOptions`.
+    """
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    request_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    replicas: int = 1
+    upstreams: tuple[str, ...] = ()
+    engine_options: tuple[tuple[str, Any], ...] = ()
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{param}: {message}", param=param)
+
+        check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        check(self.max_queue >= 1, "max_queue", f"must be >= 1, got {self.max_queue}")
+        check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s",
+              f"must be > 0, got {self.request_timeout_s}")
+        check(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+        check(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
+        check(not (self.upstreams and self.replicas > 1), "upstreams",
+              "balance over either local --replicas or --upstream servers, not both")
+        check(all(u.startswith(("http://", "https://")) for u in self.upstreams), "upstreams",
+              "each upstream must be an http:// or https:// URL")
+        EngineOptions.from_kwargs(self.engine_kwargs)  # unknown engine options fail here, before any load
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        return dict(self.engine_options)
+
+    @property
+    def balanced(self) -> bool:
+        return self.replicas > 1 or bool(self.upstreams)
+
+    def model_name(self) -> str:
+        """The name clients put in ``model``: ``served_model_name``, else the model file's stem."""
+        if self.served_model_name:
+            return self.served_model_name
+        from ..model.loader import resolve_model_path
+
+        path = resolve_model_path(self.model).rstrip("/")
+        name = os.path.basename(path)
+        return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+    def to_argv(self) -> list[str]:
+        """``fastgen serve`` arguments that rebuild this config (the API key travels in
+        ``FASTGEN_API_KEY``, not on the command line, where other users could read it)."""
+        argv = [] if self.model is None else [self.model]
+        argv += ["--host", self.host, "--port", str(self.port), "--max-queue", str(self.max_queue),
+                 "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        if self.request_timeout_s is not None:
+            argv += ["--request-timeout-s", str(self.request_timeout_s)]
+        if self.replicas > 1:
+            argv += ["--replicas", str(self.replicas)]
+        if self.upstreams:
+            argv += ["--upstream", *self.upstreams]
+        for name, value in self.engine_options:
+            if value is not None:
+                argv += ["--" + name.replace("_", "-"), str(value)]
+        return argv

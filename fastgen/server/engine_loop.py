@@ -1,0 +1,327 @@
+"""The engine loop: one thread owns the :class:`~fastgen.engine.Engine`; the event loop talks to it
+through a queue one way and ``call_soon_threadsafe`` the other.
+
+    event loop (HTTP handlers)                         engine thread
+    --------------------------                         -------------
+    stream = await loop.submit(prompts, params) --Add--> engine.add_request(...) for each
+                                 <--admitted(error)--  (all or none)
+    async for delta in stream  <--deliver(deltas)--  engine.step() -> one Delta per output
+    stream.close()  (client gone) ------Abort------>  engine.abort(id): its blocks are free now
+
+The engine thread loads the model, then loops: take commands (blocking only when it has no
+work), end requests past their deadline, run one step, hand that step's deltas to the event
+loop in a single callback. It never waits for the event loop. Prompts arrive tokenized, so
+tokenization stays off this thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine import Engine, EngineStats, StepOutput
+from ..errors import EngineDeadError
+from ..request import Response, SamplingParams
+from .errors import QueueFullError
+
+log = logging.getLogger(__name__)
+
+TIMEOUT = "timeout"  # the finish reason of a request ended by its deadline (the engine reports "abort")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one engine request (one *choice* of a submission) produced since its last delta.
+
+    The first delta of a choice may be empty: it says the engine has scheduled it. The
+    last carries ``finish_reason`` (a :class:`FinishReason` value, or ``"timeout"``) and the
+    engine's :class:`Response` (``None`` only when the engine itself failed).
+    """
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    response: Response | None = None
+
+
+class Stream:
+    """The deltas of one submission's engine requests, in the order the engine produced them.
+
+    Iterate it to the end, or call :meth:`close` to abort what has not finished.
+    """
+
+    def __init__(self, owner: "EngineLoop", request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self._owner = owner
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._unfinished = set(range(len(request_ids)))
+        self._unscheduled = set(range(len(request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        if not self._unfinished and self._queue.empty():
+            raise StopAsyncIteration
+        return await self._queue.get()
+
+    def close(self) -> None:
+        """Abort every choice that has not finished (idempotent)."""
+        if self._unfinished:
+            self._owner.abort([self.request_ids[i] for i in self._unfinished])
+
+    # -- called on the event loop by the owner --------------------------------------------
+
+    def _push(self, delta: Delta) -> None:
+        self._mark_scheduled(delta.index)
+        if delta.finish_reason is not None:
+            self._unfinished.discard(delta.index)
+        self._queue.put_nowait(delta)
+
+    def _mark_scheduled(self, index: int) -> None:
+        if index in self._unscheduled:
+            self._unscheduled.discard(index)
+            self._owner.num_queued -= 1
+
+    def _drop_unscheduled(self) -> None:
+        for i in list(self._unscheduled):
+            self._mark_scheduled(i)
+        self._unfinished.clear()
+
+
+@dataclass(frozen=True)
+class _Add:
+    requests: list[tuple[str, str | list[int], SamplingParams]]
+    stream: Stream
+    deadline: float | None  # time.perf_counter() value
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass
+class _Live:
+    """Engine-thread record of one admitted engine request."""
+
+    stream: Stream
+    index: int
+    deadline: float | None
+    scheduled: bool = False
+
+
+StepObserver = Callable[[EngineStats, list[Delta], bool], None]  # (stats, deltas, a step ran)
+
+
+@dataclass
+class EngineLoop:
+    """Owns an engine in a dedicated thread. Public methods are called on the event loop.
+
+    load: builds the engine (runs on the engine thread, so the thread that loads the model
+        is the one that runs it).
+    max_queue: sequences that may wait to be scheduled; beyond it :meth:`submit` raises
+        :class:`QueueFullError`. ``None`` = unbounded.
+    on_step: called on the event loop with the latest stats, the deltas, and whether an engine
+        step produced them (aborts and deadlines also deliver deltas).
+    """
+
+    load: Callable[[], Engine]
+    max_queue: int | None = None
+    on_step: StepObserver | None = None
+    state: str = "loading"                # loading | ready | failed | stopped
+    error: BaseException | None = None
+    engine: Engine | None = None          # the event loop reads only its immutable config/tokenizer
+    stats: EngineStats | None = None
+    num_queued: int = 0                   # submitted sequences not yet scheduled (event-loop side)
+    _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _live: dict[str, _Live] = field(default_factory=dict)  # engine thread only
+    _outbox: list[tuple[Stream, Delta]] = field(default_factory=list)  # engine thread only
+    _ids: itertools.count = field(default_factory=itertools.count)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="fastgen-engine", daemon=True)
+        self._thread.start()
+
+    async def submit(self, prompts: list[str | list[int]], params: list[SamplingParams],
+                     timeout_s: float | None = None) -> Stream:
+        """Queue one engine request per prompt, all or none; raises the engine's
+        :class:`InvalidRequestError`, :class:`QueueFullError`, or :class:`EngineDeadError`."""
+        if self.state != "ready":
+            raise EngineDeadError(f"the engine is {self.state}")
+        if self.max_queue is not None and self.num_queued >= self.max_queue:
+            raise QueueFullError(f"{self.num_queued} sequences are waiting (max_queue={self.max_queue})")
+        base = next(self._ids)
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        stream = Stream(self, ids)
+        self.num_queued += len(ids)
+        future = self._loop.create_future()
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+        self._inbox.put(_Add(list(zip(ids, prompts, params)), stream, deadline, future))
+        await future
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._inbox.put(_Abort(list(request_ids)))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort whatever is left and end the engine thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_Stop())
+            self._thread.join(timeout_s)
+        if self.state != "failed":
+            self.state = "stopped"
+
+    # -- event-loop callbacks ----------------------------------------------------------------
+
+    def _admitted(self, cmd: _Add, error: BaseException | None) -> None:
+        if error is not None:
+            cmd.stream._drop_unscheduled()
+            if not cmd.future.done():
+                cmd.future.set_exception(error)
+        elif cmd.future.cancelled():  # the caller went away while waiting for admission
+            cmd.stream.close()
+        else:
+            cmd.future.set_result(None)
+
+    def _deliver(self, stats: EngineStats | None, deltas: list[tuple[Stream, Delta]], stepped: bool) -> None:
+        if stats is not None:
+            self.stats = stats
+        for stream, delta in deltas:
+            stream._push(delta)
+        if self.on_step is not None and stats is not None:
+            self.on_step(stats, [d for _, d in deltas], stepped)
+
+    def _call(self, fn: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self.load()
+        except BaseException as e:  # reported through /health and the process exit code
+            log.exception("loading the engine failed")
+            self.error = e
+            self.state = "failed"
+            return
+        self.stats = self.engine.stats()
+        self.state = "ready"
+        try:
+            while self._serve_once():
+                pass
+        except Exception as e:
+            log.exception("the engine loop failed; failing every request")
+            self.error = e
+            self.state = "failed"
+            for rid, live in self._live.items():
+                self._outbox.append((live.stream, Delta(live.index, "", (), "error", None)))
+            self._live.clear()
+            self._flush(None)
+            while True:  # answer commands that are still coming so no caller waits forever
+                cmd = self._inbox.get()
+                if isinstance(cmd, _Stop):
+                    return
+                if isinstance(cmd, _Add):
+                    self._call(self._admitted, cmd, EngineDeadError(f"the engine failed: {e}"))
+
+    def _serve_once(self) -> bool:
+        engine = self.engine
+        changed = False
+        for cmd in self._take_commands(block=not engine.has_unfinished()):
+            if isinstance(cmd, _Stop):
+                self._abort(list(self._live))
+                self._flush(engine.stats())
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._abort(cmd.request_ids)
+            changed = True
+        changed |= self._expire_deadlines()
+        outputs = engine.step() if engine.has_unfinished() else []
+        self._collect(outputs)
+        if changed or outputs:
+            self._flush(engine.stats(), bool(outputs))
+        return True
+
+    def _take_commands(self, block: bool) -> list:
+        cmds = [self._inbox.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _add(self, cmd: _Add) -> None:
+        added: list[str] = []
+        try:
+            for rid, prompt, params in cmd.requests:
+                self.engine.add_request(prompt, params, request_id=rid)
+                added.append(rid)
+        except Exception as e:
+            for rid in added:
+                self.engine.abort(rid)
+                self.engine.response(rid)
+            self._call(self._admitted, cmd, e)
+            return
+        for index, rid in enumerate(added):
+            self._live[rid] = _Live(cmd.stream, index, cmd.deadline)
+        self._call(self._admitted, cmd, None)
+
+    def _abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        for rid in request_ids:
+            live = self._live.pop(rid, None)
+            if live is None:  # finished already, or never admitted
+                continue
+            self.engine.abort(rid)
+            self._outbox.append((live.stream, Delta(live.index, "", (), reason, self.engine.response(rid))))
+
+    def _expire_deadlines(self) -> bool:
+        now = time.perf_counter()
+        expired = [rid for rid, live in self._live.items() if live.deadline is not None and now > live.deadline]
+        self._abort(expired, reason=TIMEOUT)
+        return bool(expired)
+
+    def _collect(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            if live.scheduled and out.finish_reason is None and not out.new_token_ids and not out.text_delta:
+                continue  # a further prompt chunk: nothing to tell
+            live.scheduled = True
+            response = None
+            reason = None
+            if out.finish_reason is not None:
+                del self._live[out.request_id]
+                response = self.engine.response(out.request_id)
+                reason = out.finish_reason.value
+            self._outbox.append((live.stream, Delta(live.index, out.text_delta, out.new_token_ids,
+                                                    reason, response)))
+
+    def _flush(self, stats: EngineStats | None, stepped: bool = False) -> None:
+        deltas, self._outbox = self._outbox, []
+        self._call(self._deliver, stats, deltas, stepped)

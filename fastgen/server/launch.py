@@ -1,0 +1,137 @@
+"""Running a server: ``fastgen serve`` in this process (:func:`run_server`), local replicas as
+child processes, and :func:`serve`, which starts ``fastgen serve`` in the background and hands
+back a client once it is healthy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from .config import ServerConfig
+
+API_KEY_ENV = "FASTGEN_API_KEY"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In a child: get SIGTERM when the parent dies, so no replica outlives its balancer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def spawn_server(config: ServerConfig, *, new_session: bool = False) -> subprocess.Popen:
+    """``fastgen serve`` with ``config`` in a child process (its output goes to ours)."""
+    env = dict(os.environ)
+    if config.api_key:
+        env[API_KEY_ENV] = config.api_key
+    else:
+        env.pop(API_KEY_ENV, None)
+    argv = [sys.executable, "-m", "fastgen.cli", "serve", *config.to_argv()]
+    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=new_session,
+                            preexec_fn=None if new_session else _die_with_parent)
+
+
+def replica_config(config: ServerConfig, port: int) -> ServerConfig:
+    """One replica of ``config``: loopback only, and its share of the cores unless told otherwise."""
+    options = dict(config.engine_options)
+    if options.get("num_threads") is None:
+        options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // config.replicas)
+    return dataclasses.replace(config, host="127.0.0.1", port=port, replicas=1, upstreams=(),
+                               engine_options=tuple(options.items()))
+
+
+def _banner(message: str) -> None:
+    print(f"fastgen: {message}", file=sys.stderr, flush=True)
+
+
+def run_server(config: ServerConfig) -> int:
+    """Serve until SIGINT or SIGTERM (which drains in-flight requests for up to
+    ``drain_timeout_s``). Returns the exit code: 1 when the engine failed to load or died."""
+    import uvicorn
+
+    url = f"http://{config.host}:{config.port}"
+    if config.balanced:
+        from .balancer import Balancer, Upstream, create_balancer_app
+
+        if config.upstreams:
+            upstreams = [Upstream(u.rstrip("/")) for u in config.upstreams]
+        else:
+            ports = [free_port() for _ in range(config.replicas)]
+            upstreams = [Upstream(f"http://127.0.0.1:{p}", port=p) for p in ports]
+        balancer = Balancer(upstreams, lambda port: spawn_server(replica_config(config, port)),
+                            drain_timeout_s=config.drain_timeout_s)
+        app = create_balancer_app(config, balancer)
+        _banner(f"balancing over {len(upstreams)} upstream(s) at {url}: {', '.join(u.url for u in upstreams)}")
+        engine_loop = None
+    else:
+        from .app import create_app
+
+        app = create_app(config)
+        engine_loop = app.state.server.loop
+        _banner(f"loading {app.state.server.model_name}; serving at {url} (/health is 503 until ready)")
+
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           timeout_graceful_shutdown=config.drain_timeout_s, access_log=False))
+    if engine_loop is not None:
+        def watch_engine() -> None:
+            announced = False
+            while not server.should_exit:
+                if engine_loop.state == "ready" and not announced:
+                    _banner(f"ready at {url}")
+                    announced = True
+                if engine_loop.state == "failed":
+                    _banner(f"the engine failed: {engine_loop.error}; shutting down")
+                    server.should_exit = True
+                time.sleep(0.1)
+
+        threading.Thread(target=watch_engine, name="fastgen-engine-watch", daemon=True).start()
+    server.run()
+    if engine_loop is not None and engine_loop.state == "failed":
+        return 1
+    return 0 if server.started else 1
+
+
+def serve(model: str | None = None, *, replicas: int = 1, host: str = "127.0.0.1", port: int | None = None,
+          api_key: str | None = None, served_model_name: str | None = None, max_queue: int | None = None,
+          request_timeout_s: float | None = None, upstreams: tuple[str, ...] = (),
+          startup_timeout_s: float = 600.0, **engine_options: Any):
+    """Start ``fastgen serve`` in a background process and return a :class:`fastgen.client.Client`
+    once ``/health`` answers 200. ``client.terminate()`` stops the server.
+
+    ``engine_options`` are those of ``fastgen.pipeline`` (``dtype``, ``budget_tokens``, ...);
+    ``port=None`` picks a free one.
+    """
+    from ..client import Client
+    from .config import DEFAULT_MAX_QUEUE
+
+    config = ServerConfig(model=model, host=host, port=free_port(host) if port is None else port,
+                          served_model_name=served_model_name, api_key=api_key,
+                          max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
+                          request_timeout_s=request_timeout_s, replicas=replicas, upstreams=tuple(upstreams),
+                          engine_options=tuple(engine_options.items()))
+    config.model_name()  # a missing model fails here, not in the child
+    proc = spawn_server(config, new_session=True)
+    client = Client(f"http://{host}:{config.port}", api_key=api_key, process=proc)
+    try:
+        client.wait_ready(startup_timeout_s)
+    except BaseException:
+        client.terminate()
+        raise
+    return client
+

@@ -1,0 +1,47 @@
+"""fastgen's native wire format: a :class:`Response` as JSON and back.
+
+Used by ``POST /generate`` and by :mod:`fastgen.client`, so that a client gets the very
+objects the in-process pipeline returns. Kept free of web-framework imports.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..request import FinishReason, Response, Timings, TokenLogprob
+
+
+def response_to_json(r: Response, finish_reason: str) -> dict[str, Any]:
+    """``finish_reason`` is the server's (it may be ``"timeout"`` where the engine said ``"abort"``)."""
+    body = dataclasses.asdict(r)
+    body["finish_reason"] = finish_reason
+    return body
+
+
+def finish_reason_from_json(value: str) -> FinishReason:
+    try:
+        return FinishReason(value)
+    except ValueError:  # e.g. "timeout", until the engine has its own reason for deadlines
+        return FinishReason.ABORT
+
+
+def response_from_json(body: dict[str, Any]) -> Response:
+    def logprobs(items: list[dict] | None) -> tuple[TokenLogprob, ...] | None:
+        if items is None:
+            return None
+        return tuple(TokenLogprob(token_id=d["token_id"], logprob=d["logprob"],
+                                  top={int(k): v for k, v in d["top"].items()}) for d in items)
+
+    t = body["timings"]
+    reason = body["finish_reason"]
+    error = body.get("error")
+    if reason == "timeout" and error is None:
+        error = "the request's deadline passed"
+    return Response(
+        request_id=body["request_id"], generated_text=body["generated_text"],
+        token_ids=tuple(body["token_ids"]), prompt_length=body["prompt_length"],
+        generated_length=body["generated_length"], finish_reason=finish_reason_from_json(reason),
+        timings=Timings(queue_wait_s=t["queue_wait_s"], time_to_first_token_s=t["time_to_first_token_s"],
+                        token_times_s=tuple(t["token_times_s"]), e2e_s=t["e2e_s"]),
+        logprobs=logprobs(body.get("logprobs")), prompt_logprobs=logprobs(body.get("prompt_logprobs")),
+        num_preemptions=body.get("num_preemptions", 0), error=error)

@@ -1,0 +1,248 @@
+"""The server's parts without a model: the engine loop over a fake engine, the protocol's
+mapping onto SamplingParams, error bodies, and the balancer's routing."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pydantic
+import pytest
+
+from fastgen.engine import EngineStats, StepOutput
+from fastgen.errors import EngineDeadError, InvalidRequestError
+from fastgen.request import FinishReason, Response, SamplingParams, Timings
+from fastgen.server.balancer import Balancer, Upstream, estimate_tokens
+from fastgen.server.engine_loop import EngineLoop
+from fastgen.server.errors import QueueFullError, from_invalid_request, from_validation_error
+from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest
+
+
+class FakeEngine:
+    """Generates token 7 ("x") once per step for up to ``max_running`` requests at a time."""
+
+    def __init__(self, max_running: int = 64, step_s: float = 0.002) -> None:
+        self.max_running = max_running
+        self.step_s = step_s
+        self.order: list[str] = []
+        self.left: dict[str, int] = {}
+        self.done: dict[str, tuple[FinishReason, int]] = {}
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str) -> str:
+        if prompt == [666]:
+            raise InvalidRequestError("prompt: token 666 is cursed", param="prompt")
+        self.order.append(request_id)
+        self.left[request_id] = params.max_new_tokens
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> list[StepOutput]:
+        time.sleep(self.step_s)
+        outs = []
+        for rid in [r for r in self.order if r in self.left][:self.max_running]:
+            self.left[rid] -= 1
+            if self.left[rid] == 0:
+                self._finish(rid, FinishReason.LENGTH)
+                outs.append(StepOutput(rid, (7,), "x", FinishReason.LENGTH))
+            else:
+                outs.append(StepOutput(rid, (7,), "x", None))
+        return outs
+
+    def _finish(self, rid: str, reason: FinishReason) -> None:
+        self.done[rid] = (reason, 0)
+        del self.left[rid]
+
+    def abort(self, rid: str) -> None:
+        if rid in self.left:
+            self._finish(rid, FinishReason.ABORT)
+
+    def response(self, rid: str) -> Response:
+        reason, _ = self.done.pop(rid)
+        return Response(request_id=rid, generated_text="", token_ids=(), prompt_length=1, generated_length=0,
+                        finish_reason=reason, timings=Timings(None, None, (), None))
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_waiting=max(0, len(self.left) - self.max_running),
+                           num_running=min(len(self.left), self.max_running), num_free_blocks=10,
+                           num_used_blocks=len(self.left), num_preemptions=0,
+                           last_step_prompt_tokens=0, last_step_decode_tokens=len(self.left))
+
+
+def run_with_loop(engine: FakeEngine, body, **loop_kwargs):
+    async def main():
+        loop = EngineLoop(lambda: engine, **loop_kwargs)
+        loop.start(asyncio.get_running_loop())
+        for _ in range(200):
+            if loop.state != "loading":
+                break
+            await asyncio.sleep(0.01)
+        try:
+            return await asyncio.wait_for(body(loop), timeout=10)
+        finally:
+            loop.stop()
+
+    return asyncio.run(main())
+
+
+def params(n: int = 3) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n)
+
+
+def test_loop_streams_every_choice_to_its_end():
+    async def body(loop):
+        stream = await loop.submit([[1], [2]], [params(3), params(5)])
+        texts = {0: "", 1: ""}
+        finals = {}
+        async for d in stream:
+            texts[d.index] += d.text
+            if d.finish_reason:
+                finals[d.index] = d
+        assert loop.num_queued == 0
+        return texts, finals
+
+    texts, finals = run_with_loop(FakeEngine(), body)
+    assert texts == {0: "xxx", 1: "xxxxx"}
+    assert {i: d.finish_reason for i, d in finals.items()} == {0: "length", 1: "length"}
+    assert all(d.response is not None for d in finals.values())
+
+
+def test_loop_admits_all_or_none():
+    engine = FakeEngine()
+
+    async def body(loop):
+        with pytest.raises(InvalidRequestError):
+            await loop.submit([[1], [666]], [params(), params()])
+        assert loop.num_queued == 0
+        await asyncio.sleep(0.05)
+
+    run_with_loop(engine, body)
+    assert not engine.left and not engine.done  # the first was aborted and forgotten
+
+
+def test_close_aborts_and_deadline_times_out():
+    engine = FakeEngine(step_s=0.01)
+
+    async def body(loop):
+        s1 = await loop.submit([[1]], [params(10_000)])
+        await s1.__anext__()
+        s1.close()
+        last = [d async for d in s1][-1]
+        s2 = await loop.submit([[1]], [params(10_000)], timeout_s=0.1)
+        t0 = time.perf_counter()
+        last2 = [d async for d in s2][-1]
+        return last, last2, time.perf_counter() - t0
+
+    aborted, timed_out, elapsed = run_with_loop(engine, body)
+    assert aborted.finish_reason == "abort" and aborted.response.finish_reason is FinishReason.ABORT
+    assert timed_out.finish_reason == "timeout" and 0.09 < elapsed < 2
+    assert not engine.left
+
+
+def test_queue_bound_counts_unscheduled_sequences():
+    async def body(loop):
+        running = await loop.submit([[1]], [params(10_000)])
+        await running.__anext__()                  # scheduled: it no longer counts
+        waiting = await loop.submit([[2]], [params(1)])
+        assert loop.num_queued == 1
+        with pytest.raises(QueueFullError):
+            await loop.submit([[3]], [params(1)])
+        running.close()
+        async for _ in waiting:
+            pass
+        assert loop.num_queued == 0
+        again = await loop.submit([[3]], [params(1)])
+        return [d.finish_reason async for d in again][-1]
+
+    assert run_with_loop(FakeEngine(max_running=1), body, max_queue=1) == "length"
+
+
+def test_failed_load_is_reported():
+    def broken():
+        raise OSError("no such model")
+
+    async def main():
+        loop = EngineLoop(broken)
+        loop.start(asyncio.get_running_loop())
+        for _ in range(200):
+            if loop.state != "loading":
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError):
+            await loop.submit([[1]], [params()])
+        return loop.state, loop.error
+
+    state, error = asyncio.run(main())
+    assert state == "failed" and isinstance(error, OSError)
+
+
+# -- protocol ---------------------------------------------------------------------------------------
+
+def test_openai_defaults_and_extensions_map_onto_sampling_params():
+    req = CompletionRequest.model_validate_json('{"model": "m", "prompt": "hi"}')
+    [p] = req.sampling_params(16, None)
+    assert (p.do_sample, p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (True, 1.0, 1.0, 0, 16)
+    req = CompletionRequest.model_validate_json(
+        '{"model": "m", "prompt": ["a", "b"], "temperature": 0, "n": 2, "seed": 5, "stop": "x", "top_k": 3,'
+        ' "min_p": 0.1, "min_tokens": 2, "ignore_eos": true, "repetition_penalty": 1.2, "logprobs": 3}')
+    ps = req.sampling_params(8, req.logprobs)
+    assert [p.seed for p in ps] == [5, 6] and all(not p.do_sample for p in ps)
+    assert ps[0].stop == ("x",) and ps[0].top_k == 3 and ps[0].min_new_tokens == 2 and ps[0].logprobs == 3
+    assert req.prompts() == ["a", "b"]
+    assert CompletionRequest.model_validate_json('{"model": "m", "prompt": [1, 2]}').prompts() == [[1, 2]]
+
+
+def test_chat_request_fields():
+    req = ChatCompletionRequest.model_validate_json(
+        '{"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "be"},'
+        ' {"type": "text", "text": " brief"}]}, {"role": "user", "content": "hi"}],'
+        ' "max_completion_tokens": 7, "logprobs": true, "top_logprobs": 2}')
+    assert req.messages[0].as_template_dict() == {"role": "system", "content": "be brief"}
+    assert req.requested_max_tokens == 7 and req.num_logprobs == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"model": "m", "prompt": "a", "temperature": "0.5"}', "temperature"),
+    ('{"model": "m", "prompt": "a", "max_tokens": 1.5}', "max_tokens"),
+    ('{"model": "m", "prompt": "a", "top_p": 0}', "top_p"),
+    ('{"model": "m", "prompt": "a", "n": 0}', "n"),
+    ('{"model": "m", "prompt": "a", "bogus": 1}', "bogus"),
+    ('{"prompt": "a"}', "model"),
+    ('{"model": "m", "prompt": 5}', "prompt"),
+    ('{"model": "m", "prompt": "a", "logprobs": 21}', "logprobs"),
+])
+def test_validation_errors_name_the_field(body, param):
+    with pytest.raises(pydantic.ValidationError) as e:
+        CompletionRequest.model_validate_json(body)
+    err = from_validation_error(e.value)
+    assert err.status == 400 and err.param == param and param in err.message
+
+
+def test_malformed_json_and_engine_errors_become_400():
+    with pytest.raises(pydantic.ValidationError) as e:
+        CompletionRequest.model_validate_json("{nope")
+    assert from_validation_error(e.value).code == "invalid_json"
+    err = from_invalid_request(InvalidRequestError("max_new_tokens: too big", param="max_new_tokens"), PARAM_NAMES)
+    assert err.param == "max_tokens" and err.message == "max_tokens: too big"
+
+
+# -- balancer ---------------------------------------------------------------------------------------
+
+def test_estimate_tokens_counts_prompts_choices_and_new_tokens():
+    one = estimate_tokens("/v1/completions", {"prompt": "x" * 400, "max_tokens": 100})
+    assert 190 < one < 210
+    assert estimate_tokens("/v1/completions", {"prompt": ["x" * 400] * 2, "max_tokens": 100, "n": 3}) \
+        == pytest.approx(6 * one, rel=0.05)
+    assert estimate_tokens("/v1/completions", {"prompt": "hi"}) == 16 + 2
+
+
+def test_pick_routes_to_least_outstanding_work_among_healthy():
+    a, b, c = Upstream("http://a"), Upstream("http://b"), Upstream("http://c")
+    a.state = b.state = "up"
+    balancer = Balancer([a, b, c])
+    a.outstanding_tokens = 500
+    assert balancer.pick(set()) is b
+    b.outstanding_tokens = 900
+    assert balancer.pick(set()) is a
+    assert balancer.pick({a}) is b
+    assert balancer.pick({a, b}) is None  # c is not healthy
