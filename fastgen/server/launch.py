@@ -4,6 +4,7 @@ back a client once it is healthy.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -60,6 +61,28 @@ def _banner(message: str) -> None:
     print(f"fastgen: {message}", file=sys.stderr, flush=True)
 
 
+class _Server:
+    """uvicorn's server, made lazily (uvicorn is imported only to serve)."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # As uvicorn's, without re-raising the signal after shutdown: a server that
+                # drained on SIGTERM exits with 0, not -SIGTERM.
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        return Server(config)
+
+
 def run_server(config: ServerConfig) -> int:
     """Serve until SIGINT or SIGTERM (which drains in-flight requests for up to
     ``drain_timeout_s``). Returns the exit code: 1 when the engine failed to load or died."""
@@ -86,7 +109,7 @@ def run_server(config: ServerConfig) -> int:
         engine_loop = app.state.server.loop
         _banner(f"loading {app.state.server.model_name}; serving at {url} (/health is 503 until ready)")
 
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+    server = _Server.make(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            timeout_graceful_shutdown=config.drain_timeout_s, access_log=False))
     if engine_loop is not None:
         def watch_engine() -> None:
