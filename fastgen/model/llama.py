@@ -20,7 +20,8 @@ from ..batch import RaggedBatch
 from ..cache import KVPool
 from ..errors import ModelLoadError
 from .attention import ragged_attention
-from .layers import ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, apply_rope, linear
+from .layers import (ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, apply_rope, can_pack_weights, linear,
+                     pack_weight)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq, scaling = rope_parameters(hf_config)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions)
+        self.head_weight: torch.Tensor | None = None  # output projection; set by prepare()
+
+    def prepare(self) -> None:
+        """After loading and moving: pick the output projection and pack weights where it pays."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if can_pack_weights(head.device, head.dtype):
+            for m in self.modules():
+                if isinstance(m, (ColumnLinear, RowLinear)):
+                    m.pack()
+            head = pack_weight(head)  # tied: a packed copy; the embedding gather keeps the plain one
+        self.head_weight = head
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
@@ -167,8 +179,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, pool, rope)
         x = self.norm(x[batch.logits_indices])                     # [num_logits, hidden]
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(x, w, None).float()                          # [num_logits, vocab]
+        return linear(x, self.head_weight, None).float()           # [num_logits, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""

@@ -211,4 +211,6 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
         p.data = p.data.to(dtype)
     weights = iter_gguf_tensors(path, cfg) if path.endswith(".gguf") else iter_safetensors(path)
     model.load_weights((name, w.to(dtype)) for name, w in weights)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.prepare()
+    return model

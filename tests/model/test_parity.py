@@ -86,3 +86,26 @@ def test_gguf_dequantized_weights_match_transformers_loader(smollm2_path, smollm
         torch.testing.assert_close(tensor, ref[name].detach(), atol=0, rtol=0)
         seen += 1
     assert seen == 2 * 9 + 2
+
+
+def test_bf16_packed_weights_match_transformers_bf16(tmp_path):
+    """The bf16 path (oneDNN-packed weights on CPU) agrees with transformers in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from fastgen.model.layers import can_pack_weights
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(_tiny_configs()["llama"], dtype=torch.float32).eval()
+    ref.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=256)
+    cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
+    assert model.layers[0].mlp.down_proj.weight.is_mkldnn == can_pack_weights(torch.device("cpu"), torch.bfloat16)
+    ref = ref.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (9, 33)]
+    got = ragged_logits(model, cfg, sequences, block_size=8, seed=6)
+    for seq, logits in zip(sequences, got):
+        with torch.no_grad():
+            want = ref(torch.tensor([seq])).logits[0].float()
+        torch.testing.assert_close(logits, want, atol=0.05, rtol=0.05)
+        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
