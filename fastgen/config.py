@@ -24,7 +24,7 @@ DEFAULT_MAX_SEQS = 64
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
-SCHEDULERS = ("splitfuse",)
+SCHEDULERS = ("splitfuse", "prefill-first", "static")
 
 
 @dataclass(frozen=True)

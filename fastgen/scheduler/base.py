@@ -43,7 +43,3 @@ class Scheduler(Protocol):
     def num_running(self) -> int: ...
 
     def has_work(self) -> bool: ...
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)

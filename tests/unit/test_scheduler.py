@@ -20,7 +20,7 @@ from fastgen.cache import BlockAllocator
 from fastgen.config import SchedulerConfig
 from fastgen.request import Request, RequestStatus, SamplingParams
 from fastgen.scheduler import SplitFuseScheduler, StepPlan, make_scheduler
-from fastgen.scheduler.base import blocks_for
+from fastgen.scheduler.queues import blocks_for
 
 
 @dataclass(frozen=True)
