@@ -177,7 +177,8 @@ class Engine:
         if not plan.chunks:
             return []
         reqs = [self._requests[c.request_id] for c in plan.chunks]
-        seqs = [self._seq_input(r, c.num_tokens) for r, c in zip(reqs, plan.chunks)]
+        want_prompt_lp = [self._wants_prompt_logprobs(r) for r in reqs]
+        seqs = [self._seq_input(r, c.num_tokens, w) for r, c, w in zip(reqs, plan.chunks, want_prompt_lp)]
         num_decode = sum(1 for r in reqs if r.is_decoding)
         self._last_step = (plan.num_tokens - num_decode, num_decode)
         now = time.perf_counter()
@@ -200,7 +201,7 @@ class Engine:
         for i, (r, c) in enumerate(zip(reqs, plan.chunks)):
             start = r.num_computed_tokens
             r.num_computed_tokens += c.num_tokens
-            if seqs[i].num_logits > 1 or (r.prompt_logprobs is not None and seqs[i].num_logits):
+            if want_prompt_lp[i]:
                 self._record_prompt_logprobs(r, start, rows[i])
             if r.num_computed_tokens == r.num_tokens:
                 samplers.append((i, r))
@@ -210,12 +211,17 @@ class Engine:
             outputs += self._sample_and_update(samplers, rows)
         return outputs
 
-    def _seq_input(self, r: Request, n: int) -> SeqInput:
+    @staticmethod
+    def _wants_prompt_logprobs(r: Request) -> bool:
+        """True while prompt logprobs are asked for and not all collected (a recompute after
+        preemption does not collect them again)."""
+        return r.prompt_logprobs is not None and len(r.prompt_logprobs) < r.num_prompt_tokens - 1
+
+    @staticmethod
+    def _seq_input(r: Request, n: int, want_prompt_logprobs: bool) -> SeqInput:
         start = r.num_computed_tokens
         samples = start + n == r.num_tokens
-        want_prompt_lp = (r.prompt_logprobs is not None and start < r.num_prompt_tokens - 1
-                          and len(r.prompt_logprobs) < r.num_prompt_tokens - 1)
-        num_logits = n if want_prompt_lp else int(samples)
+        num_logits = n if want_prompt_logprobs else int(samples)
         return SeqInput(r.token_ids_slice(start, start + n), start, r.block_ids, num_logits)
 
     def _record_prompt_logprobs(self, r: Request, start: int, logits: torch.Tensor) -> None:

@@ -61,3 +61,21 @@ def test_greedy_concurrent_split_and_preempted_matches_transformers(smollm2_pipe
     for rid in noise:
         assert small.response(rid).generated_length == 12
     assert small.allocator.num_free_blocks == 6
+
+
+def test_prompt_and_output_logprobs_match_transformers_when_split(smollm2_pipe, smollm2_reference):
+    engine = smollm2_pipe.engine
+    config = dataclasses.replace(engine.config, scheduler=SchedulerConfig(budget_tokens=5, max_seqs=4, reserve_blocks=0))
+    small = Engine(config, engine.model, engine.tokenizer, engine.model_config)
+    prompt = PROMPTS[2]
+    [r] = Pipeline(small)([prompt], max_new_tokens=3, do_sample=False, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    ids = small.tokenizer(prompt).input_ids + list(r.token_ids)
+    with torch.no_grad():
+        want = torch.log_softmax(smollm2_reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+    n = r.prompt_length
+    assert len(r.prompt_logprobs) == n - 1
+    for pos, lp in enumerate(r.prompt_logprobs, start=1):
+        assert lp.token_id == ids[pos]
+        assert lp.logprob == pytest.approx(want[pos - 1, ids[pos]].item(), abs=2e-3)
+    for k, lp in enumerate(r.logprobs):
+        assert lp.logprob == pytest.approx(want[n - 1 + k, ids[n + k]].item(), abs=2e-3)
