@@ -12,17 +12,11 @@ longer than the budget still runs, whole and alone (these policies never split p
 from __future__ import annotations
 
 from ..batch import ScheduledChunk
-from ..cache import BlockAllocator
-from ..config import SchedulerConfig
 from .base import StepPlan
 from .queues import QueueingScheduler
 
 
 class PrefillFirstScheduler(QueueingScheduler):
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
-        super().__init__(allocator, block_size)
-        self.config = config
-
     def schedule(self) -> StepPlan:
         q = self.queues
         chunks: list[ScheduledChunk] = []
@@ -48,10 +42,6 @@ class PrefillFirstScheduler(QueueingScheduler):
 
 class StaticScheduler(QueueingScheduler):
     """Blocks for a request's whole generation are reserved at admission: never preempts."""
-
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
-        super().__init__(allocator, block_size)
-        self.config = config
 
     def schedule(self) -> StepPlan:
         q = self.queues

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..cache import BlockAllocator
+from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
 
 
@@ -79,7 +80,8 @@ class RequestQueues:
 class QueueingScheduler:
     """The Scheduler protocol's bookkeeping half; a policy adds ``schedule()``."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+        self.config = config
         self.queues = RequestQueues(allocator, block_size)
         self.allocator = allocator
         self.block_size = block_size

@@ -33,8 +33,7 @@ from .queues import QueueingScheduler
 
 class SplitFuseScheduler(QueueingScheduler):
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
-        super().__init__(allocator, block_size)
-        self.config = config
+        super().__init__(config, allocator, block_size)
         self.max_running = min(config.max_seqs, config.budget_tokens)
 
     def schedule(self) -> StepPlan:
