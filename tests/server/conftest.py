@@ -23,6 +23,7 @@ class ServerProcess:
     url: str
     process: subprocess.Popen
     log_path: str
+    saw_loading: bool = False  # /health answered 503 before it answered 200
 
     @property
     def v1(self) -> str:
@@ -70,8 +71,10 @@ def start_server(*args: str, env: dict | None = None) -> ServerProcess:
         if proc.poll() is not None:
             pytest.fail(f"fastgen serve exited with {proc.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+            status = httpx.get(server.url + "/health", timeout=2).status_code
+            if status == 200:
                 return server
+            server.saw_loading |= status == 503
         except httpx.HTTPError:
             pass
         time.sleep(0.25)

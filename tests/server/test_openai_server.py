@@ -44,6 +44,7 @@ def post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
 
 
 def test_health_models_and_tokenize(server, model):
+    assert server.saw_loading  # the port answers (503) while the model loads
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert model == "SmolLM2-135M-Instruct.Q4_1"
     toks = post(server, "/tokenize", {"prompt": "hello world"}).json()
