@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import secrets
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import lru_cache
@@ -79,6 +80,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate_json(await request.body())
     except pydantic.ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def event_stream(events: AsyncIterator[str], stream: Stream) -> StreamingResponse:
+    """Server-sent events from ``events``, which closes ``stream`` when it ends. If the client
+    leaves before the body starts, ``events`` never runs; the finalizer still aborts ``stream``."""
+    weakref.finalize(events, stream.close)
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 def sse(obj: Any) -> str:
@@ -226,8 +234,7 @@ class Server:
                                    req.request_timeout_s, names)
         builder = ResponseBuilder(kind, self.model_name)
         if req.stream:
-            return StreamingResponse(self._sse(stream, builder, n, req.include_usage),
-                                     media_type="text/event-stream")
+            return event_stream(self._sse(stream, builder, n, req.include_usage), stream)
         finals = await self.collect(request, stream)
         choices = []
         for i in range(len(finals)):
@@ -315,7 +322,7 @@ class Server:
                                   "{'role', 'content'} messages", "prompts")
         stream = await self.submit(prompt_ids, [params] * len(prompt_ids), timeout_s, {"prompt": "prompts"})
         if stream_out:
-            return StreamingResponse(self._native_sse(stream), media_type="text/event-stream")
+            return event_stream(self._native_sse(stream), stream)
         finals = await self.collect(request, stream)
         out = []
         for i in range(len(finals)):
