@@ -125,6 +125,8 @@ def run_parser() -> argparse.ArgumentParser:
     t.add_argument("--api-key", default=None)
     t.add_argument("--no-length-extensions", dest="length_extensions", action="store_false",
                    help="do not send ignore_eos/min_tokens (for servers that reject them)")
+    t.add_argument("--wait-ready-s", type=float, default=120.0,
+                   help="wait this long for --url's /health to answer 200 (default 120)")
     t.add_argument("--tokenizer", default=None,
                    help="cut prompts with this model's tokenizer (default: --model's)")
     w = p.add_argument_group("workload")
@@ -180,9 +182,11 @@ def describe_point(label: str, load: Load, run: RunResult, sla: SLA) -> str:
     sla_part = " ".join(f"SLA@{r.gen_tokens_per_s:g} {r.fraction:.0%}" for r in m.sla)
     ttft = f"{m.ttft_s.mean:.2f}" if m.ttft_s.mean is not None else "-"
     e2e = f"{m.e2e_s.mean:.2f}" if m.e2e_s.mean is not None else "-"
+    errors = sorted({r.error for r in run.records if r.error})
     return (f"{label:>14} {load.label:>16}: {m.num_completed}/{m.num_requests} done in {m.duration_s:6.1f} s, "
             f"{m.request_throughput:.3f} req/s, TTFT {ttft} s, e2e {e2e} s, {sla_part}"
-            + ("  (time limit hit)" if run.timed_out else ""))
+            + ("  (time limit hit)" if run.timed_out else "")
+            + (f"\n{'':>32}{m.num_failed} failed, e.g. {errors[0]}" if errors else ""))
 
 
 def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
@@ -218,7 +222,7 @@ def http_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
     max_len = ModelConfig.from_hf(load_hf_config(path)).max_position_embeddings
     requests = _requests(workload, points, Corpus.shipped(load_tokenizer(path)), args.seed, max_len, meta)
     target = HTTPTarget(args.url, args.served_model, api_key=args.api_key,
-                        length_extensions=args.length_extensions)
+                        length_extensions=args.length_extensions, wait_ready_s=args.wait_ready_s)
     label = args.label or args.url
     meta.update(url=args.url, served_model=target.model, tokenizer=path, max_model_len=max_len)
     done = []

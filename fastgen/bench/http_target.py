@@ -34,13 +34,30 @@ class HTTPTargetError(RuntimeError):
 
 class HTTPTarget:
     def __init__(self, base_url: str, model: str | None = None, *, api_key: str | None = None,
-                 length_extensions: bool = True) -> None:
+                 length_extensions: bool = True, wait_ready_s: float = 0.0) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.length_extensions = length_extensions
+        self.wait_ready(wait_ready_s)
         self.model = model or self._served_model()
+
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Wait until ``GET /health`` answers 200 (a server without that route: at once)."""
+        deadline = time.perf_counter() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                r = httpx.get(f"{self.base_url}/health", headers=self.headers, timeout=CONNECT_TIMEOUT_S)
+                if r.status_code in (200, 404):
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.perf_counter() > deadline:
+                raise HTTPTargetError(f"{self.base_url}/health is not ready after {timeout_s:g} s ({last})")
+            time.sleep(poll_s)
 
     def _served_model(self) -> str:
         try:

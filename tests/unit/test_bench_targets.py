@@ -155,11 +155,15 @@ class FakeOpenAI(BaseHTTPRequestHandler):
     """Streams ``max_tokens`` one-word chunks 10 ms apart, then usage (prompt_tokens = words)."""
 
     bodies: list[dict] = []
+    health: list[int] = []      # statuses /health answers in turn, then 200
 
     def log_message(self, *args) -> None:
         pass
 
     def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send_json(FakeOpenAI.health.pop(0) if FakeOpenAI.health else 200, {})
+            return
         self._send_json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     def do_POST(self) -> None:
@@ -194,6 +198,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 @pytest.fixture()
 def fake_server():
     FakeOpenAI.bodies = []
+    FakeOpenAI.health = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -237,6 +242,15 @@ def test_http_time_limit_cuts_off(fake_server):
     assert run.timed_out and all(r.error == CUT_OFF for r in run.records)
 
 
+def test_http_waits_for_health(fake_server):
+    FakeOpenAI.health = [503, 503]
+    assert HTTPTarget(fake_server, wait_ready_s=10.0).model == "fake-model"
+    assert FakeOpenAI.health == []
+    FakeOpenAI.health = [503] * 100
+    with pytest.raises(HTTPTargetError, match="not ready after 0.2 s .HTTP 503"):
+        HTTPTarget(fake_server, wait_ready_s=0.2)
+
+
 def test_http_unreachable_server_names_the_problem():
-    with pytest.raises(HTTPTargetError, match="pass the model name"):
+    with pytest.raises(HTTPTargetError, match="not ready"):
         HTTPTarget("http://127.0.0.1:9")
