@@ -217,7 +217,8 @@ def test_http_closed_loop_streams_and_checks_usage(fake_server):
     assert all(r.completed for r in recs.values()) and not run.timed_out
     assert [len(recs[i].token_times_s) for i in range(4)] == [5, 3, 4, 2]
     assert [recs[i].num_output_tokens for i in range(4)] == [5, 3, 4, 2]
-    assert all(g >= 0.009 for r in recs.values() for g in r.token_gaps_s)
+    # chunk k leaves the server 10 ms x k after the request came in (two may arrive together)
+    assert all(r.token_times_s[-1] - r.arrival_s >= 0.01 * len(r.token_times_s) for r in recs.values())
     assert summarize(run.records, run.duration_s, SLA()).num_prompt_token_mismatches == 1
     body = FakeOpenAI.bodies[0]
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
