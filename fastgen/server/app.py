@@ -30,7 +30,7 @@ from .engine_loop import Delta, EngineLoop, Stream
 from .errors import APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
-                       CompletionRequest, ResponseBuilder, _Model, model_not_found)
+                       CompletionRequest, GenerateRequest, ResponseBuilder, _Model, model_not_found)
 from .wire import response_to_json
 
 log = logging.getLogger(__name__)
@@ -166,9 +166,10 @@ class Server:
     # -- submission ---------------------------------------------------------------------------------
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], timeout_s: float | None,
-                     param_names: dict[str, str]) -> Stream:
+                     param_names: dict[str, str], streamed: bool) -> Stream:
         try:
-            return await self.loop.submit(prompts, params, timeout_s or self.config.request_timeout_s)
+            return await self.loop.submit(prompts, params, timeout_s or self.config.request_timeout_s,
+                                          quiet=not streamed)
         except InvalidRequestError as e:
             raise from_invalid_request(e, param_names) from None
         except QueueFullError as e:
@@ -231,7 +232,7 @@ class Server:
             raise from_invalid_request(e, names) from None
         n = req.n
         stream = await self.submit([ids for ids in prompt_ids for _ in range(n)], params * len(prompt_ids),
-                                   req.request_timeout_s, names)
+                                   req.request_timeout_s, names, req.stream)
         builder = ResponseBuilder(kind, self.model_name)
         if req.stream:
             return event_stream(self._sse(stream, builder, n, req.include_usage), stream)
@@ -280,48 +281,17 @@ class Server:
         Answers ``{"responses": [Response...]}``, or for ``stream: true`` (one prompt) events
         ``{"text": delta}`` then ``{"response": Response}`` and ``[DONE]``.
         """
+        req = await parse_body(request, GenerateRequest)
+        self.check_model(req.model)
         try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        self.check_model(body.pop("model", None))
-        prompts = body.pop("prompts", None)
-        stream_out = body.pop("stream", False)
-        timeout_s = body.pop("request_timeout_s", None)
-        if not isinstance(stream_out, bool):
-            raise bad_request("stream must be a boolean", "stream")
-        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-            raise bad_request("request_timeout_s must be a number > 0", "request_timeout_s")
-        try:
-            params = SamplingParams.from_kwargs(body)
+            params = req.sampling_params()
         except (InvalidRequestError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise bad_request("prompts must be a prompt or a non-empty list of prompts", "prompts")
-        if stream_out and len(prompts) != 1:
-            raise bad_request("stream: true takes exactly one prompt", "stream")
-        prompt_ids = []
-        for p in prompts:
-            if isinstance(p, list) and p and all(isinstance(m, dict) for m in p):
-                try:
-                    messages = [ChatMessage.model_validate(m).as_template_dict() for m in p]
-                except pydantic.ValidationError as e:
-                    raise bad_request(f"prompts: bad chat message: {e.errors()[0]['msg']}", "prompts") from None
-                prompt_ids.append(await self.encode_chat(messages))
-            elif isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)):
-                if not p:
-                    raise bad_request("prompts: a prompt is empty", "prompts")
-                prompt_ids.append(await self.encode(p))
-            else:
-                raise bad_request("prompts: each prompt is a string, a list of token ids or a list of "
-                                  "{'role', 'content'} messages", "prompts")
-        stream = await self.submit(prompt_ids, [params] * len(prompt_ids), timeout_s, {"prompt": "prompts"})
-        if stream_out:
+        prompt_ids = [await (self.encode_chat(p) if p and isinstance(p[0], dict) else self.encode(p))
+                      for p in req.prompt_list()]
+        stream = await self.submit(prompt_ids, [params] * len(prompt_ids), req.request_timeout_s,
+                                   {"prompt": "prompts"}, req.stream)
+        if req.stream:
             return event_stream(self._native_sse(stream), stream)
         finals = await self.collect(request, stream)
         out = []

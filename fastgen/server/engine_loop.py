@@ -53,11 +53,14 @@ class Delta:
 class Stream:
     """The deltas of one submission's engine requests, in the order the engine produced them.
 
-    Iterate it to the end, or call :meth:`close` to abort what has not finished.
+    Iterate it to the end, or call :meth:`close` to abort what has not finished. A *quiet*
+    stream (for answers that are not streamed) skips the deltas between a choice's first and
+    last, which spares the event loop a wake-up per token.
     """
 
-    def __init__(self, owner: "EngineLoop", request_ids: list[str]) -> None:
+    def __init__(self, owner: "EngineLoop", request_ids: list[str], quiet: bool = False) -> None:
         self.request_ids = request_ids
+        self.quiet = quiet  # only the first (scheduled) and final delta of each choice are delivered
         self._owner = owner
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._unfinished = set(range(len(request_ids)))
@@ -127,7 +130,17 @@ class _Live:
     scheduled: bool = False
 
 
-StepObserver = Callable[[EngineStats, list[Delta], bool], None]  # (stats, deltas, a step ran)
+@dataclass(frozen=True)
+class StepReport:
+    """What the event loop learns after each engine step (or each batch of aborts)."""
+
+    stats: EngineStats
+    deltas: list[Delta]          # every choice's delivered deltas, quiet streams' included
+    stepped: bool                # an engine step ran (aborts and deadlines also report)
+    num_new_tokens: int          # tokens generated in the step, delivered or not
+
+
+StepObserver = Callable[[StepReport], None]
 
 
 @dataclass
@@ -138,8 +151,7 @@ class EngineLoop:
         is the one that runs it).
     max_queue: sequences that may wait to be scheduled; beyond it :meth:`submit` raises
         :class:`QueueFullError`. ``None`` = unbounded.
-    on_step: called on the event loop with the latest stats, the deltas, and whether an engine
-        step produced them (aborts and deadlines also deliver deltas).
+    on_step: called on the event loop with a :class:`StepReport` after each step.
     """
 
     load: Callable[[], Engine]
@@ -163,7 +175,7 @@ class EngineLoop:
         self._thread.start()
 
     async def submit(self, prompts: list[str | list[int]], params: list[SamplingParams],
-                     timeout_s: float | None = None) -> Stream:
+                     timeout_s: float | None = None, quiet: bool = False) -> Stream:
         """Queue one engine request per prompt, all or none; raises the engine's
         :class:`InvalidRequestError`, :class:`QueueFullError`, or :class:`EngineDeadError`."""
         if self.state != "ready":
@@ -172,7 +184,7 @@ class EngineLoop:
             raise QueueFullError(f"{self.num_queued} sequences are waiting (max_queue={self.max_queue})")
         base = next(self._ids)
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        stream = Stream(self, ids)
+        stream = Stream(self, ids, quiet)
         self.num_queued += len(ids)
         future = self._loop.create_future()
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
@@ -203,13 +215,14 @@ class EngineLoop:
         else:
             cmd.future.set_result(None)
 
-    def _deliver(self, stats: EngineStats | None, deltas: list[tuple[Stream, Delta]], stepped: bool) -> None:
+    def _deliver(self, stats: EngineStats | None, deltas: list[tuple[Stream, Delta]], stepped: bool,
+                 num_new_tokens: int) -> None:
         if stats is not None:
             self.stats = stats
         for stream, delta in deltas:
             stream._push(delta)
         if self.on_step is not None and stats is not None:
-            self.on_step(stats, [d for _, d in deltas], stepped)
+            self.on_step(StepReport(stats, [d for _, d in deltas], stepped, num_new_tokens))
 
     def _call(self, fn: Callable, *args) -> None:
         try:
@@ -264,7 +277,7 @@ class EngineLoop:
         outputs = engine.step() if engine.has_unfinished() else []
         self._collect(outputs)
         if changed or outputs:
-            self._flush(engine.stats(), bool(outputs))
+            self._flush(engine.stats(), bool(outputs), sum(len(o.new_token_ids) for o in outputs))
         return True
 
     def _take_commands(self, block: bool) -> list:
@@ -310,8 +323,9 @@ class EngineLoop:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
-            if live.scheduled and out.finish_reason is None and not out.new_token_ids and not out.text_delta:
-                continue  # a further prompt chunk: nothing to tell
+            if live.scheduled and out.finish_reason is None and (
+                    live.stream.quiet or (not out.new_token_ids and not out.text_delta)):
+                continue  # a further prompt chunk, or a token nobody waits for one by one
             live.scheduled = True
             response = None
             reason = None
@@ -322,6 +336,6 @@ class EngineLoop:
             self._outbox.append((live.stream, Delta(live.index, out.text_delta, out.new_token_ids,
                                                     reason, response)))
 
-    def _flush(self, stats: EngineStats | None, stepped: bool = False) -> None:
+    def _flush(self, stats: EngineStats | None, stepped: bool = False, num_new_tokens: int = 0) -> None:
         deltas, self._outbox = self._outbox, []
-        self._call(self._deliver, stats, deltas, stepped)
+        self._call(self._deliver, stats, deltas, stepped, num_new_tokens)

@@ -10,8 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..engine import EngineStats
-from .engine_loop import Delta, EngineLoop
+from .engine_loop import EngineLoop, StepReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -76,15 +75,14 @@ class ServerMetrics:
                                             buckets=_STEP_TOKEN_BUCKETS, registry=r)
         r.register(_StateCollector(loop))
 
-    def on_step(self, stats: EngineStats, deltas: list[Delta], stepped: bool) -> None:
-        if stepped:
+    def on_step(self, report: StepReport) -> None:
+        if report.stepped:
             self.steps.inc()
-            self.step_prompt_tokens.observe(stats.last_step_prompt_tokens)
-            self.step_decode_tokens.observe(stats.last_step_decode_tokens)
-        num_generated = sum(len(d.token_ids) for d in deltas)
-        if num_generated:
-            self.generation_tokens.inc(num_generated)
-        for d in deltas:
+            self.step_prompt_tokens.observe(report.stats.last_step_prompt_tokens)
+            self.step_decode_tokens.observe(report.stats.last_step_decode_tokens)
+        if report.num_new_tokens:
+            self.generation_tokens.inc(report.num_new_tokens)
+        for d in report.deltas:
             if d.finish_reason is None:
                 continue
             self.requests.labels(d.finish_reason).inc()

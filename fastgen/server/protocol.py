@@ -173,6 +173,34 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+NativePrompt = str | list[int] | list[ChatMessage]
+
+
+class GenerateRequest(_Model):
+    """fastgen's native ``POST /generate``: the pipeline's prompts and generate kwargs (MII's names
+    and defaults, passed through to :class:`SamplingParams`), plus ``stream`` and a deadline."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    prompts: NativePrompt | list[NativePrompt]
+    stream: bool = False
+    request_timeout_s: float | None = Field(None, gt=0)
+    model: str | None = None
+
+    def prompt_list(self) -> list[str | list[int] | list[dict[str, str]]]:
+        """Each prompt as the pipeline takes it (a chat as template dicts)."""
+        p = self.prompts
+        single = isinstance(p, str) or not p or not isinstance(p[0], (str, list))
+        prompts = [p] if single else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise bad_request("prompts: give a prompt or a non-empty list of non-empty prompts", "prompts")
+        if self.stream and len(prompts) != 1:
+            raise bad_request("stream: true takes exactly one prompt", "stream")
+        return [[m.as_template_dict() for m in x] if x and isinstance(x[0], ChatMessage) else x for x in prompts]
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_kwargs(dict(self.model_extra or {}))
+
+
 # -- responses -----------------------------------------------------------------------------------
 
 TokenText = Callable[[int], str]

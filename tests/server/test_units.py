@@ -107,6 +107,19 @@ def test_loop_streams_every_choice_to_its_end():
     assert all(d.response is not None for d in finals.values())
 
 
+def test_quiet_stream_delivers_first_and_last_delta_and_reports_every_token():
+    reports = []
+
+    async def body(loop):
+        loop.on_step = reports.append
+        stream = await loop.submit([[1]], [params(5)], quiet=True)
+        return [d async for d in stream]
+
+    deltas = run_with_loop(FakeEngine(), body)
+    assert [d.finish_reason for d in deltas] == [None, "length"]
+    assert sum(r.num_new_tokens for r in reports) == 5 and sum(r.stepped for r in reports) == 5
+
+
 def test_loop_admits_all_or_none():
     engine = FakeEngine()
 
