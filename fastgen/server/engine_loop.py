@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import Engine, EngineStats, StepOutput
-from ..errors import EngineDeadError
+from ..errors import EngineDeadError, FastgenError
 from ..request import Response, SamplingParams
 from .errors import QueueFullError
 
@@ -236,7 +236,10 @@ class EngineLoop:
         try:
             self.engine = self.load()
         except BaseException as e:  # reported through /health and the process exit code
-            log.exception("loading the engine failed")
+            if isinstance(e, FastgenError):  # the user's mistake: the message says it all
+                log.error("loading the engine failed: %s", e)
+            else:
+                log.exception("loading the engine failed")
             self.error = e
             self.state = "failed"
             return

@@ -174,6 +174,17 @@ def test_disconnected_client_frees_its_kv_blocks(server, model):
     assert server.metrics()[aborted] == before + 1
 
 
+def test_client_giving_up_on_a_non_streamed_request_aborts_it(server, model):
+    aborted = 'fastgen_requests_finished_total{finish_reason="abort"}'
+    before = server.metrics().get(aborted, 0)
+    body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.v1 + "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(10, read=1.0))
+    assert wait_until(lambda: server.metrics().get(aborted, 0) == before + 1, timeout_s=20)
+    assert server.metrics()["fastgen_kv_blocks_used"] == 0
+
+
 def test_deadline_ends_the_request_with_timeout(client, model):
     r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1500,
                                   extra_body={"request_timeout_s": 0.5, "ignore_eos": True})
