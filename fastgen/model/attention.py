@@ -17,16 +17,16 @@ def ragged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                      batch: RaggedBatch, pool: KVPool, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] (already rotated). Returns [T, H, D]."""
     pool.write(layer, batch.slots, k, v)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     nd = batch.num_decodes
+    parts: list[torch.Tensor] = []                                     # in flat token order
     if nd:
         kc, vc = pool.gather(layer, batch.decode_block_tables)      # [nd, L, KVH, D]
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),                                      # [nd, H, 1, D]
             kc.transpose(1, 2), vc.transpose(1, 2),                   # [nd, KVH, L, D]
             attn_mask=batch.decode_mask, scale=scale, enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
+        parts.append(o.squeeze(2))                                    # [nd, H, D]
     for c in batch.chunks:
         qs = q[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.mask is None:
@@ -38,5 +38,5 @@ def ragged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             o = F.scaled_dot_product_attention(
                 qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=c.mask,
                 scale=scale, enable_gqa=gqa)
-        out[c.q_start:c.q_start + c.num_q] = o.squeeze(0).transpose(0, 1)
-    return out
+        parts.append(o.squeeze(0).transpose(0, 1))                    # [n, H, D]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

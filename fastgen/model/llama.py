@@ -110,7 +110,7 @@ class Attention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
         o = ragged_attention(self.layer, q, k, v, batch, pool, self.scale)
-        return self.o_proj(o.view(t, -1))
+        return self.o_proj(o.reshape(t, -1))
 
 
 class MLP(nn.Module):
