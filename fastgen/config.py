@@ -121,6 +121,20 @@ class EngineOptions:
     max_model_len: int | None = None
     scheduler: str = "splitfuse"
 
+    def __post_init__(self) -> None:
+        """Reject bad values when the options are built, before any model is loaded."""
+        for name in ("num_threads", "block_size", "num_blocks", "kv_cache_bytes", "budget_tokens",
+                     "max_seqs", "max_model_len"):
+            _positive(name, getattr(self, name))
+        if self.reserve_blocks is not None and (not isinstance(self.reserve_blocks, int) or self.reserve_blocks < 0):
+            raise InvalidRequestError("reserve_blocks must be an integer >= 0", param="reserve_blocks")
+        if self.scheduler not in SCHEDULERS:
+            raise InvalidRequestError(
+                f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}", param="scheduler")
+        if self.dtype not in ("auto", *_DTYPES) and not isinstance(self.dtype, torch.dtype):
+            raise InvalidRequestError(
+                f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}", param="dtype")
+
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "EngineOptions":
         names = {f.name for f in dataclasses.fields(cls)}
@@ -134,14 +148,6 @@ class EngineOptions:
 def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_per_token: int,
                           model_max_len: int) -> EngineConfig:
     """Resolve every "auto" in ``options`` against the machine and the loaded model."""
-    for name in ("num_threads", "block_size", "num_blocks", "kv_cache_bytes", "budget_tokens",
-                 "max_seqs", "max_model_len"):
-        _positive(name, getattr(options, name))
-    if options.reserve_blocks is not None and options.reserve_blocks < 0:
-        raise InvalidRequestError("reserve_blocks must be >= 0", param="reserve_blocks")
-    if options.scheduler not in SCHEDULERS:
-        raise InvalidRequestError(
-            f"scheduler must be one of {SCHEDULERS}, got {options.scheduler!r}", param="scheduler")
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     num_threads = options.num_threads or int(os.environ.get("FASTGEN_NUM_THREADS", 0)) \

@@ -21,7 +21,7 @@ from .config import EngineConfig, EngineOptions, resolve_engine_config
 from .errors import InvalidRequestError, PromptTooLongError
 from .model.llama import ModelConfig
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
-from .request import FinishReason, Request, RequestStatus, Response, SamplingParams
+from .request import FinishReason, Request, RequestStatus, Response, SamplingParams, TokenLogprob
 from .sampling import SamplingRow, sample, token_logprob
 from .scheduler import make_scheduler
 from .text import TextStream
@@ -37,6 +37,7 @@ class StepOutput:
     new_token_ids: tuple[int, ...]
     text_delta: str
     finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...] = ()   # of new_token_ids, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Engine:
         self.scheduler.add(req)
         return request_id
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str]:
+    def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt")
@@ -132,15 +133,16 @@ class Engine:
             vocab = self.model_config.vocab_size
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-            return list(prompt), self.tokenizer.decode(list(prompt))
+            return list(prompt), None
         raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                   param="prompt")
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request; its blocks are freed now. Unknown or finished ids are ignored."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request now (cancelled, or past its deadline with ``FinishReason.TIMEOUT``);
+        its blocks are freed at once. Unknown or finished ids are ignored."""
         req = self._requests.get(request_id)
         if req is not None and not req.is_finished:
-            self._finish(req, FinishReason.ABORT)
+            self._finish(req, reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -153,7 +155,8 @@ class Engine:
         del self._requests[request_id]
         text = self._texts.pop(request_id).text
         if req.params.return_full_text:
-            text = req.prompt_text + text
+            prompt = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(req.prompt_token_ids)
+            text = prompt + text
         return Response(
             request_id=request_id, generated_text=text, token_ids=tuple(req.output_token_ids),
             prompt_length=req.num_prompt_tokens, generated_length=req.num_output_tokens,
@@ -265,10 +268,11 @@ class Engine:
                 reason = FinishReason.STOP
             elif r.num_tokens >= r.max_tokens:
                 reason = FinishReason.LENGTH
+        lps = (lp,) if lp is not None else ()
         if reason is None:
-            return StepOutput(r.request_id, (tok,), delta, None)
+            return StepOutput(r.request_id, (tok,), delta, None, lps)
         end = self._finish(r, reason)
-        return StepOutput(r.request_id, (tok,), delta + end.text_delta, reason)
+        return StepOutput(r.request_id, (tok,), delta + end.text_delta, reason, lps)
 
     def _finish(self, r: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
         delta = self._texts[r.request_id].flush()  # empty after a stop-string match

@@ -16,19 +16,23 @@ from .request import Response, SamplingParams
 Prompt = str | list[int] | list[dict]
 
 
+def apply_chat_template(tokenizer: Any, messages: list[dict]) -> str:
+    """The model's chat template applied to OpenAI-style ``messages``, ready for generation."""
+    if tokenizer.chat_template is None:
+        raise InvalidRequestError("this model has no chat template", param="messages")
+    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts",
+                                  param="messages")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 class Pipeline:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        """The model's chat template applied to OpenAI-style ``messages``, ready for generation."""
-        if self.tokenizer.chat_template is None:
-            raise InvalidRequestError("this model has no chat template", param="messages")
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts",
-                                      param="messages")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return apply_chat_template(self.tokenizer, messages)
 
     def _prompt(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):

@@ -24,6 +24,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"          # EOS or a stop string
     LENGTH = "length"      # max_new_tokens / max_length / the model's context
     ABORT = "abort"        # cancelled by the caller
+    TIMEOUT = "timeout"    # its deadline passed (ended by the serving layer)
     ERROR = "error"        # this request failed; others were unaffected
 
 
@@ -197,7 +198,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int                         # prompt + generated cap, resolved at admission
-    prompt_text: str = ""
+    prompt_text: str | None = None         # None when the prompt came as token ids (decoded on demand)
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
