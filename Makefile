@@ -1,11 +1,13 @@
-# `make run`  : set up .venv and generate with the embedded SmolLM2 (the main job, until `fastgen serve` lands)
+# `make run`  : set up .venv and serve the embedded SmolLM2 over an OpenAI-compatible API on 127.0.0.1:8000
 # `make test` : set up .venv and run the test suite
 # `make bench`: the engine benchmark (machine limits, prefill, decode, step-size curve)
 VENV ?= .venv
 PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate test bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
+	$(VENV)/bin/fastgen serve --host $(HOST) --port $(PORT)
+
+generate: setup
 	$(VENV)/bin/fastgen generate --chat "$(PROMPT)"
 
 test: setup
