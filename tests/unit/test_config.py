@@ -1,0 +1,42 @@
+"""Engine options: "auto" resolution and validation before anything loads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen.config import EngineOptions, cpu_has_fast_bf16, resolve_dtype, resolve_engine_config
+from fastgen.errors import InvalidRequestError
+
+
+def test_auto_dtype_follows_the_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(dtype="int4"), "dtype"),
+    (dict(budget_tokens=0), "budget_tokens"),
+    (dict(max_seqs=-1), "max_seqs"),
+    (dict(block_size=1.5), "block_size"),
+    (dict(reserve_blocks=-2), "reserve_blocks"),
+    (dict(scheduler="fifo"), "scheduler"),
+    (dict(tokens_per_step=3), "tokens_per_step"),
+])
+def test_bad_engine_options_are_named(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        EngineOptions.from_kwargs(kwargs)
+    assert e.value.param == param
+
+
+def test_pool_is_sized_from_bytes_or_blocks():
+    per_token = 30 * 2 * 3 * 64   # SmolLM2: layers x (k, v) x kv heads x head dim
+    cfg = resolve_engine_config("m", EngineOptions(dtype="bfloat16", kv_cache_bytes=2**30, block_size=32),
+                                kv_elems_per_token=per_token, model_max_len=8192)
+    assert cfg.cache.num_blocks == 2**30 // (per_token * 2 * 32)
+    assert cfg.scheduler.reserve_blocks == min(cfg.cache.num_blocks // 16, 64)
+    cfg = resolve_engine_config("m", EngineOptions(dtype="float32", num_blocks=10, max_model_len=99999),
+                                kv_elems_per_token=per_token, model_max_len=8192)
+    assert cfg.cache.num_blocks == 10 and cfg.max_model_len == 8192 and cfg.dtype == torch.float32
