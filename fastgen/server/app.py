@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine
 from ..errors import EngineDeadError, InvalidRequestError
+from ..pipeline import apply_chat_template
 from ..request import SamplingParams
 from .config import ServerConfig
 from .engine_loop import Delta, EngineLoop, Stream
@@ -150,10 +151,14 @@ class Server:
         return self.engine.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _template(self, messages: list[dict]) -> str:
-        tok = self.engine.tokenizer
-        if tok.chat_template is None:
-            raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """The model's chat template applied to ``messages``; a 400 naming ``messages`` if it cannot be."""
+        tokenizer = self.engine.tokenizer
+        try:
+            return apply_chat_template(tokenizer, messages)
+        except InvalidRequestError as e:
+            raise from_invalid_request(e) from None
+        except Exception as e:  # a template that rejects these messages (e.g. the roles' order)
+            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -218,12 +223,7 @@ class Server:
         else:
             names.update(prompt="messages", max_new_tokens="max_completion_tokens"
                          if req.max_completion_tokens else "max_tokens")
-            try:
-                prompt_ids = [await self.encode_chat([m.as_template_dict() for m in req.messages])]
-            except APIError:
-                raise
-            except Exception as e:  # a template that rejects these messages (e.g. the roles' order)
-                raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+            prompt_ids = [await self.encode_chat([m.as_template_dict() for m in req.messages])]
             max_new = req.requested_max_tokens or max(1, self.max_total_tokens - len(prompt_ids[0]))
             num_logprobs = req.num_logprobs
         try:
