@@ -299,7 +299,7 @@ class Server:
             d = finals[i]
             if d.response is None:
                 raise APIError(500, "the engine failed", type="server_error")
-            out.append(response_to_json(d.response, d.finish_reason))
+            out.append(response_to_json(d.response))
         return JSONResponse({"responses": out})
 
     async def _native_sse(self, stream: Stream) -> AsyncIterator[str]:
@@ -311,7 +311,7 @@ class Server:
                     if d.response is None:
                         yield sse(APIError(500, "the engine failed", type="server_error").body())
                     else:
-                        yield sse({"response": response_to_json(d.response, d.finish_reason)})
+                        yield sse({"response": response_to_json(d.response)})
             yield SSE_DONE
         finally:
             stream.close()

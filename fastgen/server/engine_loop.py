@@ -26,12 +26,10 @@ from typing import Callable
 
 from ..engine import Engine, EngineStats, StepOutput
 from ..errors import EngineDeadError, FastgenError
-from ..request import Response, SamplingParams
+from ..request import FinishReason, Response, SamplingParams
 from .errors import QueueFullError
 
 log = logging.getLogger(__name__)
-
-TIMEOUT = "timeout"  # the finish reason of a request ended by its deadline (the engine reports "abort")
 
 
 @dataclass(frozen=True)
@@ -39,8 +37,8 @@ class Delta:
     """What one engine request (one *choice* of a submission) produced since its last delta.
 
     The first delta of a choice may be empty: it says the engine has scheduled it. The
-    last carries ``finish_reason`` (a :class:`FinishReason` value, or ``"timeout"``) and the
-    engine's :class:`Response` (``None`` only when the engine itself failed).
+    last carries ``finish_reason`` (a :class:`FinishReason` value) and the engine's
+    :class:`Response` (``None`` only when the engine itself failed).
     """
 
     index: int
@@ -253,7 +251,7 @@ class EngineLoop:
             self.error = e
             self.state = "failed"
             for rid, live in self._live.items():
-                self._outbox.append((live.stream, Delta(live.index, "", (), "error", None)))
+                self._outbox.append((live.stream, Delta(live.index, "", (), FinishReason.ERROR.value, None)))
             self._live.clear()
             self._flush(None)
             while True:  # answer commands that are still coming so no caller waits forever
@@ -307,18 +305,18 @@ class EngineLoop:
             self._live[rid] = _Live(cmd.stream, index, cmd.deadline)
         self._call(self._admitted, cmd, None)
 
-    def _abort(self, request_ids: list[str], reason: str = "abort") -> None:
+    def _abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         for rid in request_ids:
             live = self._live.pop(rid, None)
             if live is None:  # finished already, or never admitted
                 continue
-            self.engine.abort(rid)
-            self._outbox.append((live.stream, Delta(live.index, "", (), reason, self.engine.response(rid))))
+            self.engine.abort(rid, reason)
+            self._outbox.append((live.stream, Delta(live.index, "", (), reason.value, self.engine.response(rid))))
 
     def _expire_deadlines(self) -> bool:
         now = time.perf_counter()
         expired = [rid for rid, live in self._live.items() if live.deadline is not None and now > live.deadline]
-        self._abort(expired, reason=TIMEOUT)
+        self._abort(expired, FinishReason.TIMEOUT)
         return bool(expired)
 
     def _collect(self, outputs: list[StepOutput]) -> None:

@@ -11,18 +11,10 @@ from typing import Any
 from ..request import FinishReason, Response, Timings, TokenLogprob
 
 
-def response_to_json(r: Response, finish_reason: str) -> dict[str, Any]:
-    """``finish_reason`` is the server's (it may be ``"timeout"`` where the engine said ``"abort"``)."""
+def response_to_json(r: Response) -> dict[str, Any]:
     body = dataclasses.asdict(r)
-    body["finish_reason"] = finish_reason
+    body["finish_reason"] = r.finish_reason.value
     return body
-
-
-def finish_reason_from_json(value: str) -> FinishReason:
-    try:
-        return FinishReason(value)
-    except ValueError:  # e.g. "timeout", until the engine has its own reason for deadlines
-        return FinishReason.ABORT
 
 
 def response_from_json(body: dict[str, Any]) -> Response:
@@ -33,15 +25,11 @@ def response_from_json(body: dict[str, Any]) -> Response:
                                   top={int(k): v for k, v in d["top"].items()}) for d in items)
 
     t = body["timings"]
-    reason = body["finish_reason"]
-    error = body.get("error")
-    if reason == "timeout" and error is None:
-        error = "the request's deadline passed"
     return Response(
         request_id=body["request_id"], generated_text=body["generated_text"],
         token_ids=tuple(body["token_ids"]), prompt_length=body["prompt_length"],
-        generated_length=body["generated_length"], finish_reason=finish_reason_from_json(reason),
+        generated_length=body["generated_length"], finish_reason=FinishReason(body["finish_reason"]),
         timings=Timings(queue_wait_s=t["queue_wait_s"], time_to_first_token_s=t["time_to_first_token_s"],
                         token_times_s=tuple(t["token_times_s"]), e2e_s=t["e2e_s"]),
         logprobs=logprobs(body.get("logprobs")), prompt_logprobs=logprobs(body.get("prompt_logprobs")),
-        num_preemptions=body.get("num_preemptions", 0), error=error)
+        num_preemptions=body.get("num_preemptions", 0), error=body.get("error"))

@@ -1,8 +1,10 @@
 """The server's parts without a model: the engine loop over a fake engine, the protocol's
-mapping onto SamplingParams, error bodies, and the balancer's routing."""
+mapping onto SamplingParams, the native wire format, error bodies,
+and the balancer's routing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pydantic
@@ -10,11 +12,12 @@ import pytest
 
 from fastgen.engine import EngineStats, StepOutput
 from fastgen.errors import EngineDeadError, InvalidRequestError
-from fastgen.request import FinishReason, Response, SamplingParams, Timings
+from fastgen.request import FinishReason, Response, SamplingParams, Timings, TokenLogprob
 from fastgen.server.balancer import Balancer, Upstream, estimate_tokens
 from fastgen.server.engine_loop import EngineLoop
 from fastgen.server.errors import QueueFullError, from_invalid_request, from_validation_error
 from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest
+from fastgen.server.wire import response_from_json, response_to_json
 
 
 class FakeEngine:
@@ -53,9 +56,9 @@ class FakeEngine:
         self.done[rid] = (reason, 0)
         del self.left[rid]
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> None:
         if rid in self.left:
-            self._finish(rid, FinishReason.ABORT)
+            self._finish(rid, reason)
 
     def response(self, rid: str) -> Response:
         reason, _ = self.done.pop(rid)
@@ -148,7 +151,8 @@ def test_close_aborts_and_deadline_times_out():
 
     aborted, timed_out, elapsed = run_with_loop(engine, body)
     assert aborted.finish_reason == "abort" and aborted.response.finish_reason is FinishReason.ABORT
-    assert timed_out.finish_reason == "timeout" and 0.09 < elapsed < 2
+    assert timed_out.finish_reason == "timeout" and timed_out.response.finish_reason is FinishReason.TIMEOUT
+    assert 0.09 < elapsed < 2
     assert not engine.left
 
 
@@ -237,6 +241,15 @@ def test_malformed_json_and_engine_errors_become_400():
     assert from_validation_error(e.value).code == "invalid_json"
     err = from_invalid_request(InvalidRequestError("max_new_tokens: too big", param="max_new_tokens"), PARAM_NAMES)
     assert err.param == "max_tokens" and err.message == "max_tokens: too big"
+
+
+def test_native_wire_round_trips_a_timeout():
+    r = Response(request_id="0", generated_text="x", token_ids=(7,), prompt_length=1, generated_length=1,
+                 finish_reason=FinishReason.TIMEOUT, timings=Timings(0.0, 0.1, (0.1,), 0.2),
+                 logprobs=(TokenLogprob(7, -0.5, {7: -0.5}),))
+    body = json.loads(json.dumps(response_to_json(r)))
+    assert body["finish_reason"] == "timeout" and body["error"] is None
+    assert response_from_json(body) == r
 
 
 # -- balancer ---------------------------------------------------------------------------------------
