@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine
 from ..errors import EngineDeadError, InvalidRequestError
 from ..pipeline import apply_chat_template
-from ..request import SamplingParams
+from ..request import SamplingParams, TokenLogprob
 from .config import ServerConfig
 from .engine_loop import Delta, EngineLoop, Stream
 from .errors import APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error
@@ -233,23 +233,24 @@ class Server:
         n = req.n
         stream = await self.submit([ids for ids in prompt_ids for _ in range(n)], params * len(prompt_ids),
                                    req.request_timeout_s, names, req.stream)
-        builder = ResponseBuilder(kind, self.model_name)
+        builder = ResponseBuilder(kind, self.model_name, self.token_text)
         if req.stream:
             return event_stream(self._sse(stream, builder, n, req.include_usage), stream)
         finals = await self.collect(request, stream)
-        choices = []
+        responses = []
         for i in range(len(finals)):
             d = finals[i]
             if d.response is None or d.finish_reason == "error":
                 err = d.response.error if d.response is not None else "the engine failed"
                 raise APIError(500, f"generation failed: {err}", type="server_error")
-            choices.append((d.response, d.finish_reason))
-        prompt_tokens = sum(choices[p * n][0].prompt_length for p in range(len(prompt_ids)))
-        return JSONResponse(builder.full(choices, prompt_tokens, self.token_text))
+            responses.append(d.response)
+        prompt_tokens = sum(responses[p * n].prompt_length for p in range(len(prompt_ids)))
+        return JSONResponse(builder.full(responses, prompt_tokens))
 
     async def _sse(self, stream: Stream, builder: ResponseBuilder, n: int,
                    include_usage: bool) -> AsyncIterator[str]:
         started: set[int] = set()
+        pending: dict[int, list[TokenLogprob]] = {}  # per choice: logprobs of tokens not yet sent
         prompt_tokens = completion_tokens = 0
         try:
             async for d in stream:
@@ -261,10 +262,12 @@ class Server:
                     msg = d.response.error if d.response is not None else "the engine failed"
                     yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
                     continue
+                if d.logprobs:
+                    pending.setdefault(d.index, []).extend(d.logprobs)
                 if not d.text and d.finish_reason is None:
-                    continue  # scheduled, nothing generated yet
+                    continue  # scheduled, or a token whose text is held back (its logprobs wait)
                 yield sse(builder.chunk(d.index, d.text, d.finish_reason, first=d.index not in started,
-                                        include_usage=include_usage))
+                                        include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
                 started.add(d.index)
             if include_usage:
                 yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))

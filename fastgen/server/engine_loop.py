@@ -26,7 +26,7 @@ from typing import Callable
 
 from ..engine import Engine, EngineStats, StepOutput
 from ..errors import EngineDeadError, FastgenError
-from ..request import FinishReason, Response, SamplingParams
+from ..request import FinishReason, Response, SamplingParams, TokenLogprob
 from .errors import QueueFullError
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,9 @@ class Delta:
 
     The first delta of a choice may be empty: it says the engine has scheduled it. The
     last carries ``finish_reason`` (a :class:`FinishReason` value) and the engine's
-    :class:`Response` (``None`` only when the engine itself failed).
+    :class:`Response` (``None`` only when the engine itself failed). ``logprobs`` are those of
+    ``token_ids``, when the request asked for them. A quiet stream's deltas do not add up to
+    the whole answer: read it from the last delta's ``response``.
     """
 
     index: int
@@ -46,6 +48,7 @@ class Delta:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     response: Response | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Stream:
@@ -335,7 +338,7 @@ class EngineLoop:
                 response = self.engine.response(out.request_id)
                 reason = out.finish_reason.value
             self._outbox.append((live.stream, Delta(live.index, out.text_delta, out.new_token_ids,
-                                                    reason, response)))
+                                                    reason, response, out.logprobs)))
 
     def _flush(self, stats: EngineStats | None, stepped: bool = False, num_new_tokens: int = 0) -> None:
         deltas, self._outbox = self._outbox, []

@@ -110,8 +110,6 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("best_of is not supported (use n)", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.stream and self.logprobs is not None:
-            raise bad_request("logprobs with stream: true is not supported yet", "logprobs")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -161,8 +159,6 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
-        if self.stream and self.logprobs:
-            raise bad_request("logprobs with stream: true is not supported yet", "logprobs")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -215,9 +211,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText) -> dict[str, Any]:
+def completion_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """``text_offset``: where the first token starts in the choice's text (a stream's later chunks)."""
     tokens = [token_text(lp.token_id) for lp in lps]
-    offsets, pos = [], 0
+    offsets, pos = [], text_offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
@@ -237,44 +235,54 @@ def chat_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText) -> dict[
 
 
 class ResponseBuilder:
-    """Builds the bodies of one HTTP request: the whole response, or its stream chunks."""
+    """Builds the bodies of one HTTP request: the whole response, or its stream chunks.
+    ``token_text`` gives the text of one token id, for logprobs."""
 
-    def __init__(self, kind: Literal["completion", "chat"], model: str) -> None:
+    def __init__(self, kind: Literal["completion", "chat"], model: str, token_text: TokenText) -> None:
         self.kind = kind
         self.model = model
+        self.token_text = token_text
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.created = int(time.time())
+        self._text_offsets: dict[int, int] = {}  # choice index -> length of its streamed tokens' text
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, choices: list[tuple[Response, str]], prompt_tokens: int,
-             token_text: TokenText) -> dict[str, Any]:
-        """``choices``: (response, finish reason) in choice-index order."""
+    def full(self, responses: list[Response], prompt_tokens: int) -> dict[str, Any]:
+        """``responses``: one per choice, in choice-index order."""
         out = []
-        for i, (r, reason) in enumerate(choices):
+        for i, r in enumerate(responses):
+            reason = r.finish_reason.value
             if self.kind == "completion":
-                lp = None if r.logprobs is None else completion_logprobs(r.logprobs, token_text)
+                lp = None if r.logprobs is None else completion_logprobs(r.logprobs, self.token_text)
                 out.append({"index": i, "text": r.generated_text, "logprobs": lp, "finish_reason": reason})
             else:
-                lp = None if r.logprobs is None else chat_logprobs(r.logprobs, token_text)
+                lp = None if r.logprobs is None else chat_logprobs(r.logprobs, self.token_text)
                 out.append({"index": i, "message": {"role": "assistant", "content": r.generated_text},
                             "logprobs": lp, "finish_reason": reason})
         body = self._envelope("text_completion" if self.kind == "completion" else "chat.completion")
         body["choices"] = out
-        body["usage"] = usage(prompt_tokens, sum(r.generated_length for r, _ in choices))
+        body["usage"] = usage(prompt_tokens, sum(r.generated_length for r in responses))
         return body
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, *, first: bool,
-              include_usage: bool) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, finish_reason: str | None, *, first: bool, include_usage: bool,
+              logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+        """One choice's chunk. ``logprobs``: those of the tokens since its last chunk (none: ``null``);
+        a choice's chunks together carry what the whole response would."""
         if self.kind == "completion":
+            lp = None
+            if logprobs:
+                lp = completion_logprobs(logprobs, self.token_text, self._text_offsets.get(index, 0))
+                self._text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             body = self._envelope("text_completion")
-            body["choices"] = [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]
         else:
+            lp = chat_logprobs(logprobs, self.token_text) if logprobs else None
             body = self._envelope("chat.completion.chunk")
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text else {})
-            body["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
         if include_usage:
             body["usage"] = None
         return body

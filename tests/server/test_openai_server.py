@@ -119,6 +119,27 @@ def test_logprobs(client, model):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy: the top one
 
 
+def test_streamed_logprobs_equal_the_non_streamed(client, model):
+    kwargs = dict(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)]
+    got = {k: sum((getattr(p, k) for p in parts if p is not None), [])
+           for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert (got["tokens"], got["text_offset"]) == (whole.tokens, whole.text_offset)
+    assert got["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-4)
+    assert [t.keys() for t in got["top_logprobs"]] == [t.keys() for t in whole.top_logprobs]
+    assert [list(t.values()) for t in got["top_logprobs"]] == \
+        [pytest.approx(list(t.values()), abs=1e-4) for t in whole.top_logprobs]
+
+    kwargs = dict(model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    got = [e for c in client.chat.completions.create(**kwargs, stream=True)
+           if c.choices and c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in whole]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in got] == [[t.token for t in e.top_logprobs] for e in whole]
+
+
 def test_16_concurrent_streams_complete_with_the_right_text(client, model, smollm2_pipe):
     prompts = [f"Here is fact number {i} about the ocean:" for i in range(16)]
     expected = [r.generated_text for r in smollm2_pipe(prompts, max_new_tokens=8, do_sample=False)]
@@ -224,7 +245,6 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": M, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": M, "prompt": [1] * 9000}, 400, "prompt"),
     ("/v1/completions", {"model": M, "prompt": [10**9]}, 400, "prompt"),
-    ("/v1/completions", {"model": M, "prompt": "a", "stream": True, "logprobs": 1}, 400, "logprobs"),
     ("/v1/completions", {"model": M, "prompt": "a", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"model": M, "prompt": "a", "request_timeout_s": 0}, 400, "request_timeout_s"),

@@ -1,5 +1,5 @@
 """The server's parts without a model: the engine loop over a fake engine, the protocol's
-mapping onto SamplingParams, the native wire format, error bodies,
+mapping onto SamplingParams and its response bodies, the native wire format, error bodies,
 and the balancer's routing."""
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from fastgen.request import FinishReason, Response, SamplingParams, Timings, Tok
 from fastgen.server.balancer import Balancer, Upstream, estimate_tokens
 from fastgen.server.engine_loop import EngineLoop
 from fastgen.server.errors import QueueFullError, from_invalid_request, from_validation_error
-from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest
+from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest, ResponseBuilder
 from fastgen.server.wire import response_from_json, response_to_json
 
 
 class FakeEngine:
-    """Generates token 7 ("x") once per step for up to ``max_running`` requests at a time."""
+    """Generates token 7 ("x") once per step for up to ``max_running`` requests at a time
+    (with logprob -0.5 when asked for logprobs)."""
 
     def __init__(self, max_running: int = 64, step_s: float = 0.002) -> None:
         self.max_running = max_running
@@ -29,12 +30,14 @@ class FakeEngine:
         self.order: list[str] = []
         self.left: dict[str, int] = {}
         self.done: dict[str, tuple[FinishReason, int]] = {}
+        self.want_logprobs: dict[str, bool] = {}
 
     def add_request(self, prompt, params: SamplingParams, request_id: str) -> str:
         if prompt == [666]:
             raise InvalidRequestError("prompt: token 666 is cursed", param="prompt")
         self.order.append(request_id)
         self.left[request_id] = params.max_new_tokens
+        self.want_logprobs[request_id] = params.logprobs is not None
         return request_id
 
     def has_unfinished(self) -> bool:
@@ -45,11 +48,12 @@ class FakeEngine:
         outs = []
         for rid in [r for r in self.order if r in self.left][:self.max_running]:
             self.left[rid] -= 1
+            lps = (TokenLogprob(7, -0.5, {}),) if self.want_logprobs[rid] else ()
             if self.left[rid] == 0:
                 self._finish(rid, FinishReason.LENGTH)
-                outs.append(StepOutput(rid, (7,), "x", FinishReason.LENGTH))
+                outs.append(StepOutput(rid, (7,), "x", FinishReason.LENGTH, lps))
             else:
-                outs.append(StepOutput(rid, (7,), "x", None))
+                outs.append(StepOutput(rid, (7,), "x", None, lps))
         return outs
 
     def _finish(self, rid: str, reason: FinishReason) -> None:
@@ -108,6 +112,17 @@ def test_loop_streams_every_choice_to_its_end():
     assert texts == {0: "xxx", 1: "xxxxx"}
     assert {i: d.finish_reason for i, d in finals.items()} == {0: "length", 1: "length"}
     assert all(d.response is not None for d in finals.values())
+
+
+def test_streamed_deltas_carry_their_tokens_logprobs():
+    async def body(loop):
+        stream = await loop.submit([[1], [2]], [SamplingParams(max_new_tokens=4, logprobs=0), params(4)])
+        return [d async for d in stream]
+
+    deltas = run_with_loop(FakeEngine(), body)
+    assert [len(d.logprobs) for d in deltas if d.index == 0] == [len(d.token_ids) for d in deltas if d.index == 0]
+    assert sum(len(d.logprobs) for d in deltas if d.index == 0) == 4
+    assert all(not d.logprobs for d in deltas if d.index == 1)
 
 
 def test_quiet_stream_delivers_first_and_last_delta_and_reports_every_token():
@@ -241,6 +256,27 @@ def test_malformed_json_and_engine_errors_become_400():
     assert from_validation_error(e.value).code == "invalid_json"
     err = from_invalid_request(InvalidRequestError("max_new_tokens: too big", param="max_new_tokens"), PARAM_NAMES)
     assert err.param == "max_tokens" and err.message == "max_tokens: too big"
+
+
+def test_stream_chunks_carry_the_logprobs_of_the_whole_response():
+    texts = {1: "ab", 2: "c", 3: "de"}
+    lps = (TokenLogprob(1, -0.1, {1: -0.1, 2: -2.5}), TokenLogprob(2, -0.2, {2: -0.2}),
+           TokenLogprob(3, -0.3, {3: -0.3}))
+    r = Response(request_id="0", generated_text="abcde", token_ids=(1, 2, 3), prompt_length=1, generated_length=3,
+                 finish_reason=FinishReason.LENGTH, timings=Timings(None, None, (), None), logprobs=lps)
+    for kind in ("completion", "chat"):
+        builder = ResponseBuilder(kind, "m", texts.__getitem__)
+        whole = builder.full([r], 1)["choices"][0]["logprobs"]
+        chunks = [builder.chunk(0, "ab", None, first=True, include_usage=False, logprobs=lps[:1]),
+                  builder.chunk(0, "cde", "length", first=False, include_usage=False, logprobs=lps[1:]),
+                  builder.chunk(0, "", "length", first=False, include_usage=False)]
+        parts = [c["choices"][0]["logprobs"] for c in chunks]
+        assert parts[2] is None
+        if kind == "completion":
+            assert whole["text_offset"] == [0, 2, 3]
+            assert {k: parts[0][k] + parts[1][k] for k in whole} == whole
+        else:
+            assert parts[0]["content"] + parts[1]["content"] == whole["content"]
 
 
 def test_native_wire_round_trips_a_timeout():
