@@ -54,7 +54,7 @@ class ServerConfig:
               "balance over either local --replicas or --upstream servers, not both")
         check(all(u.startswith(("http://", "https://")) for u in self.upstreams), "upstreams",
               "each upstream must be an http:// or https:// URL")
-        EngineOptions.from_kwargs(self.engine_kwargs)  # unknown engine options fail here, before any load
+        EngineOptions.from_kwargs(self.engine_kwargs)  # unknown or bad engine options fail here, before any load
 
     @property
     def engine_kwargs(self) -> dict[str, Any]:

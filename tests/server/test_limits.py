@@ -1,16 +1,22 @@
 """A server started with `fastgen.serve()` (one running sequence, a queue of one): the MII-style
-client, 429 with Retry-After when the queue is full, and a SIGTERM that drains in-flight work."""
+client, 429 with Retry-After when the queue is full, and a SIGTERM that drains in-flight work.
+And a server asked for a bad engine option, which refuses at once, before any model loads."""
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 import fastgen
+
+from fastgen.server.launch import free_port
 
 from .conftest import wait_until
 
@@ -75,3 +81,18 @@ def test_sigterm_drains_in_flight_streams_then_exits_cleanly(served):
     assert served.process.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(served.url + "/health")
+
+
+@pytest.mark.parametrize("replicas", ["1", "2"])
+def test_bad_engine_option_fails_at_once_without_loading(replicas):
+    argv = [sys.executable, "-m", "fastgen.cli", "serve", "--port", str(free_port()), "--replicas", replicas,
+            "--budget-tokens", "0"]
+    start = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["fastgen: error: budget_tokens must be a positive integer, got 0"]
+    assert elapsed < 5
+    with pytest.raises(fastgen.InvalidRequestError) as e:
+        fastgen.serve(budget_tokens=0, replicas=int(replicas))
+    assert e.value.param == "budget_tokens"
