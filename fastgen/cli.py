@@ -116,12 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_options(gen, EngineOptions)
     gen.set_defaults(func=cmd_generate)
     _add_serve_parser(sub)
+    # `fastgen bench ...` is handed to fastgen.bench whole (see main); listed here for --help
+    sub.add_parser("bench", add_help=False,
+                   help="the serving benchmark (paper methodology); `fastgen bench --help` for its options")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["bench"]:
+        from .bench import cli_main
+
+        return cli_main(args[1:])
+    ns = build_parser().parse_args(args)
     try:
         return ns.func(ns)
     except FastgenError as e:
