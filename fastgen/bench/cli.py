@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -120,7 +121,8 @@ def run_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-seqs", type=int, default=None)
     t.add_argument("--num-blocks", type=int, default=None)
     t.add_argument("--url", default=None, help="benchmark this OpenAI-compatible server instead")
-    t.add_argument("--label", default=None, help="series name for --url (default: the URL)")
+    t.add_argument("--label", default=None,
+                   help="series name for --url (default: the URL); in-process, added after each policy's name")
     t.add_argument("--served-model", default=None, help="model name for --url (default: the first of /v1/models)")
     t.add_argument("--api-key", default=None)
     t.add_argument("--no-length-extensions", dest="length_extensions", action="store_false",
@@ -205,12 +207,13 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
                         block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len)
         warm_up(engine)
         target = EngineTarget(engine)
+        label = f"{policy} {args.label}" if args.label else policy
         done = []
         for load, limits in points:
-            run = target.run(requests, load, limits, desc=f"{policy} {load.label}")
-            print(describe_point(policy, load, run, sla), flush=True)
+            run = target.run(requests, load, limits, desc=f"{label} {load.label}")
+            print(describe_point(label, load, run, sla), flush=True)
             done.append(Point(load, run))
-        yield Series(policy, "engine", tuple(done))
+        yield Series(label, "engine", tuple(done))
 
 
 def http_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
@@ -251,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if not points:
         raise argparse.ArgumentTypeError("no load points: give --clients and/or --rates")
     meta: dict[str, Any] = {
-        "command": "fastgen bench " + " ".join(args.argv),
+        "command": shlex.join(["fastgen", "bench", *args.argv]),
         "workload": {"name": workload.name, "prompt_mean_tokens": workload.prompt_mean_tokens,
                      "gen_mean_tokens": workload.gen_mean_tokens, "rel_std": workload.rel_std},
         "seed": args.seed, "cpu": cpu_name(), "python": platform.python_version(),
@@ -263,7 +266,11 @@ def run(args: argparse.Namespace) -> int:
           f"{', '.join(f'{load.label} ({lim.num_requests} requests)' for load, lim in points)}", flush=True)
     make = http_series if args.url else engine_series
     started = time.perf_counter()
-    series = tuple(make(args, workload, points, sla, meta))
+    series: tuple[Series, ...] = ()
+    for done in make(args, workload, points, sla, meta):
+        series += (done,)
+        # what is measured so far survives an interrupted run
+        write(Report(series, sla, slo, {**meta, "partial": True}), args.out, plots=False)
     meta["wall_s"] = time.perf_counter() - started
     meta["busy_cpus_after"] = busy_cpus()
     report = Report(series, sla, slo, meta)
