@@ -120,7 +120,7 @@ class EngineTarget:
         response = self.engine.response(rid)
         rec.finish_s = now
         rec.num_output_tokens = response.generated_length
-        if response.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+        if response.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
             rec.error = response.error or response.finish_reason.value
 
     @staticmethod
