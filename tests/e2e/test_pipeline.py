@@ -199,3 +199,28 @@ def test_bad_model_paths(tmp_path):
         fastgen.pipeline(str(tmp_path / "folder"))
     with pytest.raises(InvalidRequestError, match="unknown engine option"):
         fastgen.pipeline(None, budget=3)
+
+
+def test_interleaved_streams_both_finish_with_their_own_text(smollm2_pipe):
+    kw = dict(max_new_tokens=12, do_sample=False, ignore_eos=True)
+    a = smollm2_pipe.stream("The capital of France is", **kw)
+    b = smollm2_pipe.stream("def fibonacci(n):", **kw)
+    text_a = next(a)
+    text_b = "".join(b)          # runs every step; a's deltas wait in its outbox
+    text_a += "".join(a)
+    [ra, rb] = smollm2_pipe(["The capital of France is", "def fibonacci(n):"], **kw)
+    assert (text_a, text_b) == (ra.generated_text, rb.generated_text)
+    assert not smollm2_pipe.engine.has_unfinished()
+
+
+def test_caller_chosen_ids_do_not_collide_with_automatic_ones(smollm2_pipe):
+    from fastgen.request import SamplingParams
+
+    engine = smollm2_pipe.engine
+    taken = f"req-{next(engine._ids) + 1}"
+    engine.add_request("hi", SamplingParams(max_new_tokens=1), request_id=taken)
+    auto = engine.add_request("hi", SamplingParams(max_new_tokens=1))
+    assert auto != taken
+    while engine.has_unfinished():
+        engine.step()
+    engine.response(taken), engine.response(auto)

@@ -15,7 +15,9 @@ def test_cached_gguf_tokenizer_and_config_equal_the_converted_ones(smollm2_path,
     monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path))
     fresh_cfg, fresh_tok = loader._load_gguf_meta(smollm2_path)      # converts and writes the cache
     assert (loader._gguf_meta_dir(smollm2_path) / "tokenizer.json").is_file()
-    cached_cfg, cached_tok = loader._load_gguf_meta(smollm2_path)    # reads the cache
+    assert loader._load_gguf_meta(smollm2_path)[1] is fresh_tok       # once per process
+    loader._load_gguf_meta_at.cache_clear()
+    cached_cfg, cached_tok = loader._load_gguf_meta(smollm2_path)    # reads the disk cache
     ignore = {"transformers_version": None, "_name_or_path": None}
     assert cached_cfg.to_dict() | ignore == fresh_cfg.to_dict() | ignore
     direct = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
