@@ -10,12 +10,13 @@ from fastgen.cache import BlockAllocator, KVPool
 
 
 def ragged_logits(model, cfg, sequences: list[list[int]], *, block_size: int, seed: int,
-                  max_chunk: int = 8) -> list[torch.Tensor]:
+                  max_chunk: int = 8, paths: dict[str, int] | None = None) -> list[torch.Tensor]:
     """Feed every sequence through ``model`` in random chunks, many sequences per forward.
 
     Each step, every unfinished sequence gets a random chunk (1 token = the decode path,
     several = a prompt chunk, starting at 0 or continuing). Returns, per sequence, the
-    logits of every position ``[len(seq), vocab]``.
+    logits of every position ``[len(seq), vocab]``. ``paths`` (if given) counts the attention
+    paths the batches took: decodes, chunks from position 0, continuing chunks.
     """
     rng = random.Random(seed)
     num_blocks = sum(-(-len(s) // block_size) for s in sequences) + 2
@@ -39,6 +40,11 @@ def ragged_logits(model, cfg, sequences: list[list[int]], *, block_size: int, se
             seqs.append(SeqInput(sequences[i][done[i]:done[i] + n], done[i], tables[i], n))
             ids.append(i)
         batch = build_batch(seqs, block_size, torch.device("cpu"), next(model.parameters()).dtype)
+        if paths is not None:
+            paths["decode"] = paths.get("decode", 0) + (batch.num_decodes > 0)
+            for c in batch.chunks:
+                key = "fresh" if c.mask is None else "continuing"
+                paths[key] = paths.get(key, 0) + 1
         logits = model(batch, pool)
         row = 0
         for k in batch.order:

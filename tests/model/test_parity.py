@@ -47,11 +47,14 @@ def test_tiny_model_matches_transformers(name, tmp_path):
     cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (1, 5, 23, 40, 67)]
-    got = ragged_logits(model, cfg, sequences, block_size=4, seed=3)
-    for seq, logits in zip(sequences, got):
-        with torch.no_grad():
-            want = ref(torch.tensor([seq])).logits[0]
-        torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():
+        wants = [ref(torch.tensor([seq])).logits[0] for seq in sequences]
+    paths: dict[str, int] = {}
+    for schedule_seed in (3, 4, 5):
+        got = ragged_logits(model, cfg, sequences, block_size=4, seed=schedule_seed, paths=paths)
+        for logits, want in zip(got, wants):
+            torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
+    assert all(paths.get(p) for p in ("decode", "fresh", "continuing")), paths
 
 
 def test_qwen2_has_qkv_bias_and_it_is_loaded(tmp_path):
