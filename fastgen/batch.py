@@ -6,18 +6,20 @@ Worked example (block_size = 4). Three sequences are scheduled this step:
     seq B: decoding; 5 tokens computed, position 5 is fed now
     seq C: a prompt chunk of 3 tokens starting at position 4 (tokens 0..3 are cached)
 
-Single-token sequences come first, so the flat arrays are:
+Single-token sequences come first, shortest context first, so the flat arrays are:
 
-    token_ids    = [a9, b5, c4, c5, c6]
-    positions    = [ 9,  5,  4,  5,  6]
+    token_ids    = [b5, a9, c4, c5, c6]
+    positions    = [ 5,  9,  4,  5,  6]
     block tables   A: [7, 2, 5]   B: [1, 3]   C: [4, 6]
-    slots        = [5*4+1, 3*4+1, 6*4+0, 6*4+1, 6*4+2] = [21, 13, 24, 25, 26]
-    decode group : num_decodes = 2, decode_block_tables = [[7, 2, 5], [1, 3, 0]] (0 = padding),
-                   decode_context_lens = [10, 6] (keys beyond are masked)
+    slots        = [3*4+1, 5*4+1, 6*4+0, 6*4+1, 6*4+2] = [13, 21, 24, 25, 26]
+    decode group : q_start 0, 2 sequences, block_tables = [[1, 3, 0], [7, 2, 5]] (0 = padding),
+                   context lengths [6, 10] (keys beyond are masked)
     chunks       : [Chunk(q_start=2, num_q=3, start_pos=4, block_table=[4, 6])]
     logits_indices = [0, 1, 4]   (the last token of each sequence that samples)
 
-A chunk that starts at position 0 attends only to itself (causal), so its keys are taken
+Decodes are attended in groups of similar context length (see ``_decode_groups``), so that
+one long sequence does not make every short one gather and mask its length. A chunk that
+starts at position 0 attends only to itself (causal), so its keys are taken
 from the fresh projections instead of the pool.
 """
 from __future__ import annotations
@@ -57,13 +59,21 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Adjacent single-token sequences of similar context length, attended in one call."""
+
+    q_start: int
+    num_seqs: int
+    block_tables: torch.Tensor       # [num_seqs, max_blocks] int64 (padded with block 0)
+    mask: torch.Tensor               # [num_seqs, 1, 1, max_blocks * block_size] additive (0 / -inf)
+
+
+@dataclass(frozen=True)
 class RaggedBatch:
     token_ids: torch.Tensor           # [T] int64
     positions: torch.Tensor           # [T] int64
     slots: torch.Tensor               # [T] int64, flat KV slot of each token
-    num_decodes: int                  # the first num_decodes tokens are single-token sequences
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None          # [num_decodes, 1, 1, max_blocks * block_size] additive (0 / -inf)
+    decode_groups: tuple[DecodeGroup, ...]   # the single-token sequences, first in the flat batch
     chunks: tuple[Chunk, ...]
     logits_indices: torch.Tensor      # [num_logits] int64 rows of the flat batch to unembed
     order: tuple[int, ...]            # order[i] = index into the caller's seq list of flat seq i
@@ -71,6 +81,25 @@ class RaggedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(g.num_seqs for g in self.decode_groups)
+
+
+def _decode_groups(num_blocks: list[int]) -> list[int]:
+    """Group sizes for decodes sorted by block count: a group closes when the next sequence
+    needs more than twice the blocks of the group's first (so padding at most doubles the
+    gathered keys), and at most 4 groups are made."""
+    sizes: list[int] = []
+    first = 0
+    for i, n in enumerate(num_blocks):
+        if sizes and (n <= 2 * num_blocks[first] or len(sizes) == 4):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+            first = i
+    return sizes
 
 
 def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device,
@@ -83,7 +112,9 @@ def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device,
     ``logits_indices`` lists, in the order of the flat sequences, the rows whose logits are
     wanted (for each sequence its last ``num_logits`` tokens).
     """
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
+    # decodes first, shortest context first (for grouping); then chunks in the caller's order
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].token_ids) != 1,
+                                                    seqs[i].start_pos if len(seqs[i].token_ids) == 1 else 0))
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -115,12 +146,15 @@ def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device,
         return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
 
     pos_t = t(positions)
-    decode_bt = decode_mask = None
-    if decode_tables:
-        width = max(len(b) for b in decode_tables)
-        decode_bt = t([b + [0] * (width - len(b)) for b in decode_tables])
+    groups = []
+    start = 0
+    for size in _decode_groups([len(b) for b in decode_tables]):
+        tables, lens = decode_tables[start:start + size], decode_lens[start:start + size]
+        width = max(len(b) for b in tables)
         key_pos = torch.arange(width * block_size, device=device)
-        decode_mask = additive(key_pos[None, :] < t(decode_lens)[:, None]).view(len(decode_lens), 1, 1, -1)
+        mask = additive(key_pos[None, :] < t(lens)[:, None]).view(size, 1, 1, -1)
+        groups.append(DecodeGroup(start, size, t([b + [0] * (width - len(b)) for b in tables]), mask))
+        start += size
     chunks = []
     for q_start, n, start, blocks in chunk_specs:
         mask = None
@@ -129,6 +163,5 @@ def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device,
             mask = additive(key_pos[None, :] <= pos_t[q_start:q_start + n, None]).view(1, 1, n, -1)
         chunks.append(Chunk(q_start, n, start, t(blocks), mask))
     return RaggedBatch(
-        token_ids=t(token_ids), positions=pos_t, slots=t(slots), num_decodes=len(decode_tables),
-        decode_block_tables=decode_bt, decode_mask=decode_mask, chunks=tuple(chunks),
+        token_ids=t(token_ids), positions=pos_t, slots=t(slots), decode_groups=tuple(groups), chunks=tuple(chunks),
         logits_indices=t(logits_rows), order=tuple(order))

@@ -1,7 +1,8 @@
 """Attention of a ragged batch over the KV block pool.
 
 Per layer: the new tokens' keys and values are written to their slots first; then
-single-token sequences (decodes) are attended together in one padded, masked call, and
+single-token sequences (decodes) are attended in padded, masked calls, one per group of
+similar context length, and
 each multi-token chunk is attended on its own, causally over its cached keys plus itself.
 """
 from __future__ import annotations
@@ -18,15 +19,14 @@ def ragged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """q: [T, H, D]; k, v: [T, KVH, D] (already rotated). Returns [T, H, D]."""
     pool.write(layer, batch.slots, k, v)
     gqa = q.shape[1] != k.shape[1]
-    nd = batch.num_decodes
     parts: list[torch.Tensor] = []                                     # in flat token order
-    if nd:
-        kc, vc = pool.gather(layer, batch.decode_block_tables)      # [nd, L, KVH, D]
+    for g in batch.decode_groups:
+        kc, vc = pool.gather(layer, g.block_tables)                  # [n, L, KVH, D]
         o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2),                                      # [nd, H, 1, D]
-            kc.transpose(1, 2), vc.transpose(1, 2),                   # [nd, KVH, L, D]
-            attn_mask=batch.decode_mask, scale=scale, enable_gqa=gqa)
-        parts.append(o.squeeze(2))                                    # [nd, H, D]
+            q[g.q_start:g.q_start + g.num_seqs].unsqueeze(2),        # [n, H, 1, D]
+            kc.transpose(1, 2), vc.transpose(1, 2),                   # [n, KVH, L, D]
+            attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        parts.append(o.squeeze(2))                                    # [n, H, D]
     for c in batch.chunks:
         qs = q[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.mask is None:
