@@ -40,6 +40,27 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
+
+async def race_disconnect(request: Request, work):
+    """``await work`` unless the client disconnects first: then the work is cancelled and the
+    request ends with 499 (nginx's "client closed request")."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():  # a cancel takes effect at the task's next step
+        raise APIError(499, "client disconnected", code="client_closed")
+    return task.result()
+
+
 class APIKeyMiddleware:
     """401 unless ``Authorization: Bearer <key>`` matches (``/health`` and ``/metrics`` stay open)."""
 
@@ -189,22 +210,10 @@ class Server:
         async def drain() -> dict[int, Delta]:
             return {d.index: d async for d in stream if d.finish_reason is not None}
 
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work = asyncio.ensure_future(drain())
-        watch = asyncio.ensure_future(disconnected())
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return await race_disconnect(request, drain())
         finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
             stream.close()
-        if not work.done() or work.cancelled():
-            raise APIError(499, "client disconnected", code="client_closed")
-        return work.result()
 
     # -- OpenAI endpoints ------------------------------------------------------------------------
 

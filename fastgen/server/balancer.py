@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .app import APIKeyMiddleware, install_error_handlers, sse
+from .app import APIKeyMiddleware, install_error_handlers, race_disconnect, sse
 from .config import ServerConfig
 from .errors import APIError
 from .metrics import CONTENT_TYPE
@@ -214,7 +214,7 @@ class Balancer:
                 weakref.finalize(relay, release)  # a relay never started (client gone) still releases
                 return StreamingResponse(relay, status_code=resp.status_code, headers=_response_headers(resp))
             try:
-                content = await _race_disconnect(request, resp.aread())
+                content = await race_disconnect(request, resp.aread())
             except httpx.TransportError as e:
                 self.failed_in_flight.inc()
                 self._mark_down(u, f"{type(e).__name__}: {e}")
@@ -296,25 +296,6 @@ class Balancer:
 
 def _response_headers(resp: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
-
-
-async def _race_disconnect(request: Request, work):
-    """``await work`` unless the client disconnects first (then the work is cancelled)."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise APIError(499, "client disconnected", code="client_closed")
-    return task.result()
 
 
 def create_balancer_app(config: ServerConfig, balancer: Balancer) -> FastAPI:
