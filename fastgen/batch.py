@@ -12,15 +12,13 @@ Single-token sequences come first, shortest context first, so the flat arrays ar
     positions    = [ 5,  9,  4,  5,  6]
     block tables   A: [7, 2, 5]   B: [1, 3]   C: [4, 6]
     slots        = [3*4+1, 5*4+1, 6*4+0, 6*4+1, 6*4+2] = [13, 21, 24, 25, 26]
-    decode group : q_start 0, 2 sequences, block_tables = [[1, 3, 0], [7, 2, 5]] (0 = padding),
-                   context lengths [6, 10] (keys beyond are masked)
-    chunks       : [Chunk(q_start=2, num_q=3, start_pos=4, block_table=[4, 6])]
+    q_starts     = [0, 1, 2, 5]        start_pos = [5, 9, 4]      num_decodes = 2
+    block_tables = [(1, 3), (7, 2, 5), (4, 6)]   (the blocks holding each sequence's keys)
     logits_indices = [0, 1, 4]   (the last token of each sequence that samples)
 
-Decodes are attended in groups of similar context length (see ``_decode_groups``), so that
-one long sequence does not make every short one gather and mask its length. A chunk that
-starts at position 0 attends only to itself (causal), so its keys are taken
-from the fresh projections instead of the pool.
+This is all an attention backend gets; each derives its own metadata from it
+(``fastgen.model.attention``): the SDPA backend groups decodes of similar context length
+and builds masks, the paged backend hands the tables to its kernel as they are.
 """
 from __future__ import annotations
 
@@ -48,80 +46,46 @@ class SeqInput:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """A multi-token slice of the flat batch, attended one sequence at a time."""
-
-    q_start: int
-    num_q: int
-    start_pos: int
-    block_table: torch.Tensor        # [num_blocks] int64, device
-    mask: torch.Tensor | None        # [1, 1, num_q, num_blocks * block_size] additive (0 / -inf); None when start_pos == 0
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Adjacent single-token sequences of similar context length, attended in one call."""
-
-    q_start: int
-    num_seqs: int
-    block_tables: torch.Tensor       # [num_seqs, max_blocks] int64 (padded with block 0)
-    mask: torch.Tensor               # [num_seqs, 1, 1, max_blocks * block_size] additive (0 / -inf)
-
-
-@dataclass(frozen=True)
 class RaggedBatch:
+    """What every attention backend needs; backends derive their own metadata from it
+    (``fastgen.model.attention``). Device tensors come from one host-to-device copy."""
+
     token_ids: torch.Tensor           # [T] int64
     positions: torch.Tensor           # [T] int64
     slots: torch.Tensor               # [T] int64, flat KV slot of each token
-    decode_groups: tuple[DecodeGroup, ...]   # the single-token sequences, first in the flat batch
-    chunks: tuple[Chunk, ...]
     logits_indices: torch.Tensor      # [num_logits] int64 rows of the flat batch to unembed
     order: tuple[int, ...]            # order[i] = index into the caller's seq list of flat seq i
+    q_starts: tuple[int, ...]         # [S + 1] flat row where sequence s starts (host)
+    start_pos: tuple[int, ...]        # [S] position of sequence s's first token this step (host)
+    block_tables: tuple[tuple[int, ...], ...]  # [S] blocks covering each sequence's keys (host)
+    num_decodes: int                  # the first num_decodes sequences have one token each
+    block_size: int
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
     @property
-    def num_decodes(self) -> int:
-        return sum(g.num_seqs for g in self.decode_groups)
+    def num_seqs(self) -> int:
+        return len(self.start_pos)
 
 
-def _decode_groups(num_blocks: list[int]) -> list[int]:
-    """Group sizes for decodes sorted by block count: a group closes when the next sequence
-    needs more than twice the blocks of the group's first (so padding at most doubles the
-    gathered keys), and at most 4 groups are made."""
-    sizes: list[int] = []
-    first = 0
-    for i, n in enumerate(num_blocks):
-        if sizes and (n <= 2 * num_blocks[first] or len(sizes) == 4):
-            sizes[-1] += 1
-        else:
-            sizes.append(1)
-            first = i
-    return sizes
-
-
-def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device,
-                dtype: torch.dtype) -> RaggedBatch:
-    """Lay ``seqs`` out as a :class:`RaggedBatch`; single-token sequences first.
-
-    Masks are additive, in the model's ``dtype``, built once here for every layer (a
-    boolean mask would be converted by attention in each layer).
+def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device) -> RaggedBatch:
+    """Lay ``seqs`` out as a :class:`RaggedBatch`: single-token sequences first, shortest
+    context first (so a backend can group them); then chunks in the caller's order.
 
     ``logits_indices`` lists, in the order of the flat sequences, the rows whose logits are
     wanted (for each sequence its last ``num_logits`` tokens).
     """
-    # decodes first, shortest context first (for grouping); then chunks in the caller's order
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].token_ids) != 1,
                                                     seqs[i].start_pos if len(seqs[i].token_ids) == 1 else 0))
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logits_rows: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
-    chunk_specs: list[tuple[int, int, int, list[int]]] = []
+    q_starts = [0]
+    tables: list[tuple[int, ...]] = []
+    num_decodes = 0
     for i in order:
         s = seqs[i]
         n = len(s.token_ids)
@@ -132,36 +96,12 @@ def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device,
         blocks = s.block_ids
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
         logits_rows.extend(range(q_start + n - s.num_logits, q_start + n))
-        if n == 1:
-            decode_tables.append(blocks[: s.start_pos // block_size + 1])
-            decode_lens.append(s.start_pos + 1)
-        else:
-            chunk_specs.append((q_start, n, s.start_pos, blocks[: (s.start_pos + n - 1) // block_size + 1]))
-
-    def t(x: list) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long, device=device)
-
-    def additive(visible: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=dtype, device=device)
-        return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
-
-    pos_t = t(positions)
-    groups = []
-    start = 0
-    for size in _decode_groups([len(b) for b in decode_tables]):
-        tables, lens = decode_tables[start:start + size], decode_lens[start:start + size]
-        width = max(len(b) for b in tables)
-        key_pos = torch.arange(width * block_size, device=device)
-        mask = additive(key_pos[None, :] < t(lens)[:, None]).view(size, 1, 1, -1)
-        groups.append(DecodeGroup(start, size, t([b + [0] * (width - len(b)) for b in tables]), mask))
-        start += size
-    chunks = []
-    for q_start, n, start, blocks in chunk_specs:
-        mask = None
-        if start > 0:
-            key_pos = torch.arange(len(blocks) * block_size, device=device)
-            mask = additive(key_pos[None, :] <= pos_t[q_start:q_start + n, None]).view(1, 1, n, -1)
-        chunks.append(Chunk(q_start, n, start, t(blocks), mask))
+        q_starts.append(q_start + n)
+        tables.append(tuple(blocks[: (s.start_pos + n - 1) // block_size + 1]))
+        num_decodes += n == 1
+    t = len(token_ids)
+    flat = torch.tensor(token_ids + positions + slots + logits_rows, dtype=torch.long).to(device)
     return RaggedBatch(
-        token_ids=t(token_ids), positions=pos_t, slots=t(slots), decode_groups=tuple(groups), chunks=tuple(chunks),
-        logits_indices=t(logits_rows), order=tuple(order))
+        token_ids=flat[:t], positions=flat[t:2 * t], slots=flat[2 * t:3 * t], logits_indices=flat[3 * t:],
+        order=tuple(order), q_starts=tuple(q_starts), start_pos=tuple(seqs[i].start_pos for i in order),
+        block_tables=tuple(tables), num_decodes=num_decodes, block_size=block_size)

@@ -26,6 +26,7 @@ DEFAULT_BLOCK_SIZE = 32
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 SCHEDULERS = ("splitfuse", "prefill-first", "static")
+KERNELS = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     max_model_len: int
+    kernels: str = "torch"   # "native" (fastgen's CPU kernels) or "torch"
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -129,6 +131,7 @@ class EngineOptions:
     reserve_blocks: int | None = None
     max_model_len: int | None = None
     scheduler: str = "splitfuse"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         """Reject bad values when the options are built, before any model is loaded."""
@@ -140,6 +143,8 @@ class EngineOptions:
         if self.scheduler not in SCHEDULERS:
             raise InvalidRequestError(
                 f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}", param="scheduler")
+        if self.kernels not in KERNELS:
+            raise InvalidRequestError(f"kernels must be one of {KERNELS}, got {self.kernels!r}", param="kernels")
         if self.dtype not in ("auto", *_DTYPES) and not isinstance(self.dtype, torch.dtype):
             raise InvalidRequestError(
                 f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}", param="dtype")
@@ -172,5 +177,26 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
         cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(budget_tokens=options.budget_tokens, max_seqs=options.max_seqs,
                                   reserve_blocks=reserve, policy=options.scheduler),
-        max_model_len=max_model_len,
+        max_model_len=max_model_len, kernels=resolve_kernels(options.kernels, device, dtype),
     )
+
+
+def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` -> "native" where fastgen's CPU kernels cover the device and dtype and build
+    on this host (once; see fastgen.kernels), else "torch". "native" where they cannot run
+    is an error. ``FASTGEN_KERNELS`` overrides ``auto``."""
+    from .kernels import load
+    from .kernels.ops import native_supported
+
+    if kernels == "auto":
+        kernels = os.environ.get("FASTGEN_KERNELS", "auto")
+        if kernels not in KERNELS:
+            raise InvalidRequestError(f"FASTGEN_KERNELS must be one of {KERNELS}, got {kernels!r}",
+                                      param="kernels")
+    if kernels == "torch":
+        return "torch"
+    ok = native_supported(device, dtype) and load()
+    if kernels == "native" and not ok:
+        raise InvalidRequestError(f"kernels='native' needs a CPU, fp32 or bf16, and a C++ compiler; "
+                                  f"have {device.type}, {dtype}", param="kernels")
+    return "native" if ok else "torch"

@@ -84,7 +84,7 @@ class Engine:
                                        model_max_len=model_config.max_position_embeddings)
         torch.set_num_threads(config.num_threads)
         net = load_model(path, dtype=config.dtype, device=config.device,
-                         max_positions=config.max_model_len, hf_config=hf_config)
+                         max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels)
         return cls(config, net, load_tokenizer(path), model_config)
 
     # -- requests ---------------------------------------------------------------------
@@ -197,7 +197,7 @@ class Engine:
         samplers = [(i, r) for i, (r, c) in enumerate(zip(reqs, plan.chunks))
                     if r.num_computed_tokens + c.num_tokens == r.num_tokens]
         try:
-            batch = build_batch(seqs, self.config.cache.block_size, self.config.device, self.config.dtype)
+            batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
             logits = self.model(batch, self.pool)                  # [num_logits, vocab] fp32
             rows: dict[int, torch.Tensor] = {}
             row = 0

@@ -371,7 +371,7 @@ def bench_forward_curve(engine: Engine, sizes: Sizes, rng: random.Random) -> dic
     for n in tqdm(sizes.step_tokens, desc="forward curve", leave=False, disable=None):
         seq = SeqInput(token_ids=random_prompt(rng, engine.model_config.vocab_size, n), start_pos=0,
                        block_ids=list(range(math.ceil(n / block_size))), num_logits=1)
-        batch = build_batch([seq], block_size, device, engine.config.dtype)
+        batch = build_batch([seq], block_size, device)
         times = time_calls(lambda: engine.model(batch, pool), device, num_warmup=1,
                            num_repeats=sizes.num_repeats, max_s=sizes.max_measure_s, desc=f"forward {n}")
         med = statistics.median(times)
@@ -397,7 +397,7 @@ def bench_overhead_parts(engine: Engine, sizes: Sizes, sampling: SamplingParams,
     seqs = [SeqInput(token_ids=[rng.randrange(vocab)], start_pos=context,
                      block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), num_logits=1)
             for i in range(OVERHEAD_BATCH)]
-    build_s = time_calls(lambda: build_batch(seqs, block_size, device, engine.config.dtype), device, num_warmup=2,
+    build_s = time_calls(lambda: build_batch(seqs, block_size, device), device, num_warmup=2,
                          num_repeats=10 * sizes.num_repeats, max_s=sizes.max_measure_s, desc="build_batch")
     rows = [SamplingRow(sampling, random_prompt(rng, vocab, sizes.decode_prompt_tokens), [1] * context,
                         None, ()) for _ in range(OVERHEAD_BATCH)]

@@ -1,11 +1,23 @@
-"""Attention of a ragged batch over the KV block pool.
+"""Attention of a ragged batch over the KV block pool: two backends behind one seam.
 
-Per layer: the new tokens' keys and values are written to their slots first; then
-single-token sequences (decodes) are attended in padded, masked calls, one per group of
-similar context length, and
-each multi-token chunk is attended on its own, causally over its cached keys plus itself.
+A backend gets the step's :class:`~fastgen.batch.RaggedBatch` once (``plan``), builds the
+metadata it needs, and is then called per layer with the rotated q, k, v of every token
+(k and v already stored in the pool). Both backends attend a chunk that starts at
+position 0 over its fresh keys (causal SDPA, CPU flash path).
+
+- :class:`SdpaAttention` (any device): decodes in padded, masked SDPA calls, one per group
+  of similar context length; a continuing chunk gathers its blocks out of the pool and
+  attends them with a mask.
+- :class:`PagedAttention` (CPU, native kernels): all decodes in one call of
+  ``torch.ops.fastgen.paged_attention``, which reads the pool in place (no gather, no
+  mask, no padding); continuing chunks as in the SDPA backend, which is faster for many
+  queries (measured: 256 queries x 2k keys, one layer, bf16: kernel 31.7 ms, gather + SDPA
+  9.1 ms; 32 decodes x 4k keys: kernel 25 ms, gather + SDPA 93 ms).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -14,29 +26,180 @@ from ..batch import RaggedBatch
 from ..cache import KVPool
 
 
-def ragged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     batch: RaggedBatch, pool: KVPool, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] (already rotated). Returns [T, H, D]."""
-    pool.write(layer, batch.slots, k, v)
-    gqa = q.shape[1] != k.shape[1]
-    parts: list[torch.Tensor] = []                                     # in flat token order
-    for g in batch.decode_groups:
-        kc, vc = pool.gather(layer, g.block_tables)                  # [n, L, KVH, D]
-        o = F.scaled_dot_product_attention(
-            q[g.q_start:g.q_start + g.num_seqs].unsqueeze(2),        # [n, H, 1, D]
-            kc.transpose(1, 2), vc.transpose(1, 2),                   # [n, KVH, L, D]
-            attn_mask=g.mask, scale=scale, enable_gqa=gqa)
-        parts.append(o.squeeze(2))                                    # [n, H, D]
-    for c in batch.chunks:
-        qs = q[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if c.mask is None:
-            ks = k[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)
-            vs = v[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A multi-token slice of the flat batch, attended one sequence at a time."""
+
+    q_start: int
+    num_q: int
+    start_pos: int
+    block_table: torch.Tensor        # [num_blocks] int64, device
+    mask: torch.Tensor | None        # [1, 1, num_q, num_blocks * block_size] additive; None when start_pos == 0
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Adjacent single-token sequences of similar context length, attended in one SDPA call."""
+
+    q_start: int
+    num_seqs: int
+    block_tables: torch.Tensor       # [num_seqs, max_blocks] int64 (padded with block 0)
+    mask: torch.Tensor               # [num_seqs, 1, 1, max_blocks * block_size] additive (0 / -inf)
+
+
+@dataclass(frozen=True)
+class SdpaPlan:
+    decode_groups: tuple[DecodeGroup, ...]
+    chunks: tuple[ChunkPlan, ...]
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    num_decodes: int
+    q_starts: torch.Tensor           # [num_decodes + 1] int32
+    start_pos: torch.Tensor          # [num_decodes] int32
+    block_tables: torch.Tensor       # [num_decodes, max_blocks] int32 (padded with 0)
+    chunks: tuple[ChunkPlan, ...]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, batch: RaggedBatch) -> Any:
+        """Per-step metadata, built once for every layer."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
+                 pool: KVPool, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (rotated, already in the pool). Returns [T, H, D]."""
+
+
+def decode_group_sizes(num_blocks: list[int]) -> list[int]:
+    """Group sizes for decodes sorted by block count: a group closes when the next sequence
+    needs more than twice the blocks of the group's first (so padding at most doubles the
+    gathered keys), and at most 4 groups are made."""
+    sizes: list[int] = []
+    first = 0
+    for i, n in enumerate(num_blocks):
+        if sizes and (n <= 2 * num_blocks[first] or len(sizes) == 4):
+            sizes[-1] += 1
         else:
-            kc, vc = pool.gather(layer, c.block_table.unsqueeze(0))  # [1, L, KVH, D]
+            sizes.append(1)
+            first = i
+    return sizes
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where visible, -inf elsewhere, in the model dtype (a boolean mask would be
+    converted by SDPA in every layer)."""
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=visible.device))
+
+
+def _long(x: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.long, device=device)
+
+
+def _chunk_plans(batch: RaggedBatch, dtype: torch.dtype, device: torch.device) -> tuple[ChunkPlan, ...]:
+    chunks = []
+    bs = batch.block_size
+    for s in range(batch.num_decodes, batch.num_seqs):
+        q_start, n = batch.q_starts[s], batch.q_starts[s + 1] - batch.q_starts[s]
+        start, blocks = batch.start_pos[s], batch.block_tables[s]
+        mask = None
+        if start > 0:
+            key_pos = torch.arange(len(blocks) * bs, device=device)
+            q_pos = torch.arange(start, start + n, device=device)
+            mask = _additive(key_pos[None, :] <= q_pos[:, None], dtype).view(1, 1, n, -1)
+        chunks.append(ChunkPlan(q_start, n, start, _long(list(blocks), device), mask))
+    return tuple(chunks)
+
+
+def _attend_chunk(layer: int, q, k, v, c: ChunkPlan, pool: KVPool, scale: float, gqa: bool) -> torch.Tensor:
+    """One chunk's attention output ``[n, H, D]``."""
+    qs = q[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if c.mask is None:
+        ks = k[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)
+        vs = v[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        kc, vc = pool.gather(layer, c.block_table.unsqueeze(0))  # [1, L, KVH, D]
+        o = F.scaled_dot_product_attention(
+            qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=c.mask, scale=scale, enable_gqa=gqa)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _attend_chunks(out: torch.Tensor, layer: int, q, k, v, chunks: tuple[ChunkPlan, ...], pool: KVPool,
+                   scale: float, gqa: bool) -> None:
+    for c in chunks:
+        out[c.q_start:c.q_start + c.num_q] = _attend_chunk(layer, q, k, v, c, pool, scale, gqa)
+
+
+class SdpaAttention:
+    name = "sdpa"
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+
+    def plan(self, batch: RaggedBatch) -> SdpaPlan:
+        bs, dev = batch.block_size, self.device
+        tables = batch.block_tables[:batch.num_decodes]
+        groups = []
+        start = 0
+        for size in decode_group_sizes([len(b) for b in tables]):
+            group = tables[start:start + size]
+            lens = [p + 1 for p in batch.start_pos[start:start + size]]
+            width = max(len(b) for b in group)
+            key_pos = torch.arange(width * bs, device=dev)
+            mask = _additive(key_pos[None, :] < _long(lens, dev)[:, None], self.dtype).view(size, 1, 1, -1)
+            groups.append(DecodeGroup(start, size, _long([list(b) + [0] * (width - len(b)) for b in group], dev),
+                                      mask))
+            start += size
+        return SdpaPlan(tuple(groups), _chunk_plans(batch, self.dtype, dev))
+
+    def __call__(self, layer, q, k, v, plan: SdpaPlan, pool, scale):
+        gqa = q.shape[1] != k.shape[1]
+        if not plan.decode_groups and len(plan.chunks) == 1:  # one part: no scratch output
+            return _attend_chunk(layer, q, k, v, plan.chunks[0], pool, scale, gqa)
+        out = torch.empty_like(q)
+        for g in plan.decode_groups:
+            kc, vc = pool.gather(layer, g.block_tables)                  # [n, L, KVH, D]
             o = F.scaled_dot_product_attention(
-                qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=c.mask,
-                scale=scale, enable_gqa=gqa)
-        parts.append(o.squeeze(0).transpose(0, 1))                    # [n, H, D]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+                q[g.q_start:g.q_start + g.num_seqs].unsqueeze(2),        # [n, H, 1, D]
+                kc.transpose(1, 2), vc.transpose(1, 2),                   # [n, KVH, L, D]
+                attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+            out[g.q_start:g.q_start + g.num_seqs] = o.squeeze(2)
+        _attend_chunks(out, layer, q, k, v, plan.chunks, pool, scale, gqa)
+        return out
+
+
+class PagedAttention:
+    name = "paged"
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._kernel = torch.ops.fastgen.paged_attention
+
+    def plan(self, batch: RaggedBatch) -> PagedPlan:
+        nd = batch.num_decodes
+        tables = batch.block_tables[:nd]
+        width = max((len(b) for b in tables), default=1)
+        ints = torch.tensor([*batch.q_starts[:nd + 1], *batch.start_pos[:nd],
+                             *(x for b in tables for x in (*b, *[0] * (width - len(b))))], dtype=torch.int32)
+        ints = ints.to(self.device)
+        return PagedPlan(nd, ints[:nd + 1], ints[nd + 1:2 * nd + 1], ints[2 * nd + 1:].view(nd, width),
+                         _chunk_plans(batch, self.dtype, self.device))
+
+    def __call__(self, layer, q, k, v, plan: PagedPlan, pool, scale):
+        gqa = q.shape[1] != k.shape[1]
+        nd = plan.num_decodes
+        if not nd and len(plan.chunks) == 1:
+            return _attend_chunk(layer, q, k, v, plan.chunks[0], pool, scale, gqa)
+        if not plan.chunks:
+            return self._kernel(q.contiguous(), pool.keys[layer], pool.values[layer], plan.q_starts,
+                                plan.start_pos, plan.block_tables, scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._kernel(q[:nd].contiguous(), pool.keys[layer], pool.values[layer], plan.q_starts,
+                                    plan.start_pos, plan.block_tables, scale)
+        _attend_chunks(out, layer, q, k, v, plan.chunks, pool, scale, gqa)
+        return out

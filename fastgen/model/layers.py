@@ -1,48 +1,117 @@
 """Building blocks of Llama-family models.
 
-The linear layers are laid out for tensor parallelism: :class:`ColumnLinear` (fused
-QKV, fused gate/up) splits its *output* features into named parts, each of which a
-tensor-parallel rank would shard along dim 0; :class:`RowLinear` (attention output,
-down projection) would shard its *input* features and all-reduce its output. With one
-rank, both are plain matmuls.
+A :class:`Linear` holds its weight as loaded (``weight``, ``bias``) until
+:meth:`Linear.prepare` hands it to a *weight format*: the object that owns the
+stored layout and the product kernel (:class:`DenseWeight`, :class:`PackedWeight`; quantized
+formats and tensor-parallel shards plug in here). The model calls ``layer(x)`` and never
+asks which format it holds.
+
+The layers are laid out for tensor parallelism: :class:`ColumnLinear` (fused QKV, fused
+gate/up) splits its *output* features into named parts, each of which a rank would shard
+along dim 0; :class:`RowLinear` (attention output, down projection) would shard its *input*
+features and all-reduce its output. With one rank, both are plain products.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where oneDNN's prepacked bf16 linear is available (CPUs with this PyTorch build)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+class WeightFormat(Protocol):
+    name: str
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T (+ b)`` for x ``[T, in]`` -> ``[T, out]``."""
+
+    @property
+    def num_bytes(self) -> int: ...
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` reordered once into oneDNN's blocked layout.
+class DenseWeight:
+    """The weight as a plain tensor; ``F.linear``. Every device and dtype."""
+
+    name = "dense"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def num_bytes(self) -> int:
+        return _nbytes(self.weight) + _nbytes(self.bias)
+
+
+class PackedWeight:
+    """bf16 weight reordered once into oneDNN's blocked layout (CPU).
 
     Measured on the 2-core AMX CPU with SmolLM2's shapes: 1.2-1.7x faster products for 1 to
     256 rows (the reorder otherwise happens in every call), equal at 512.
     """
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    name = "onednn-packed"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._bytes = _nbytes(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.bias = bias
+
+    @staticmethod
+    def supported(device: torch.device, dtype: torch.dtype) -> bool:
+        return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes + _nbytes(self.bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for x ``[T, in]``; ``weight`` may be packed by :func:`pack_weight`."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
-class ColumnLinear(nn.Module):
-    """``y = x @ W.T (+ b)`` whose output is the concatenation of ``output_sizes`` parts."""
+def default_format(weight: torch.Tensor, bias: torch.Tensor | None) -> WeightFormat:
+    """The fastest format for this device and dtype that needs no extra choice from the user."""
+    if PackedWeight.supported(weight.device, weight.dtype):
+        return PackedWeight(weight, bias)
+    return DenseWeight(weight, bias)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)``. Loaded into ``weight``/``bias``; computed by its weight format."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.format: WeightFormat | None = None
+
+    def prepare(self, make_format=default_format) -> None:
+        """Hand the loaded weight to its format (after loading and moving to the device)."""
+        self.format = make_format(self.weight.data, None if self.bias is None else self.bias.data)
+        if self.format.name != "dense":  # the format holds its own copy: free the loaded one
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
+                                       requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.format.matmul(x)
+
+
+class ColumnLinear(Linear):
+    """A :class:`Linear` whose output is the concatenation of ``output_sizes`` parts."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__()
+        super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = list(output_sizes)
-        self.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(sum(output_sizes)), requires_grad=False) if bias else None
 
     def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor ``name`` ("weight"/"bias") into output part ``part``."""
@@ -55,26 +124,9 @@ class ColumnLinear(nn.Module):
             raise ValueError(f"shape mismatch for part {part} {name}: {tuple(tensor.shape)} vs {tuple(dst.shape)}")
         dst.copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
-    def pack(self) -> None:
-        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
-
-
-class RowLinear(nn.Module):
-    """``y = x @ W.T (+ b)``; a tensor-parallel rank would hold a slice of the input features."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-    def pack(self) -> None:
-        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
+class RowLinear(Linear):
+    """A :class:`Linear` of which a tensor-parallel rank would hold a slice of the input features."""
 
 
 class RMSNorm(nn.Module):
@@ -83,12 +135,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_positions``, built once.
+    """cos/sin tables ``[max_positions, head_dim]`` (fp32) for every position, built once.
 
     ``inv_freq`` and ``attention_scaling`` come from transformers' RoPE functions so that
     every scaling type the config may ask for (linear, llama3, yarn, ...) matches the
@@ -102,21 +151,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin ``[T, 1, head_dim]`` for the step's positions; once per step.
-
-        ``rotate_half(x) * sin == swap_halves(x) * signed_sin`` with ``signed_sin = [-sin, sin]``
-        over the two halves, which saves the negation and concatenation in every layer.
-        """
-        cos = self.cos[positions].to(dtype).unsqueeze(1)
-        sin = self.sin[positions].to(dtype).unsqueeze(1)
-        half = sin.shape[-1] // 2
-        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim] (see ``RotaryEmbedding.tables``)."""
-    t, h, d = x.shape
-    swapped = x.reshape(t, h, 2, d // 2).flip(2).view(t, h, d)
-    return torch.addcmul(x * cos, swapped, signed_sin)

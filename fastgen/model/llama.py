@@ -19,9 +19,9 @@ from torch import nn
 from ..batch import RaggedBatch
 from ..cache import KVPool
 from ..errors import ModelLoadError
-from .attention import ragged_attention
-from .layers import (ColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, apply_rope, can_pack_weights, linear,
-                     pack_weight)
+from ..kernels.ops import NativeOps, Ops, TorchOps, native_supported
+from .attention import AttentionBackend, PagedAttention, SdpaAttention
+from .layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,19 @@ def rope_parameters(hf: Any) -> tuple[torch.Tensor, float]:
     return inv, float(scaling)
 
 
+@dataclass(frozen=True)
+class Step:
+    """What every layer reads in one forward pass (built once per step)."""
+
+    batch: RaggedBatch
+    pool: KVPool
+    plan: Any                 # the attention backend's metadata for this batch
+    ops: Ops
+    attention: AttentionBackend
+    cos: torch.Tensor         # [max_positions, head_dim] fp32
+    sin: torch.Tensor
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -102,14 +115,13 @@ class Attention(nn.Module):
         self.o_proj = RowLinear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)                                          # [T, (H + 2 KVH) * D]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qk = apply_rope(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), *rope)  # q and k rotated together
-        q, k = qk[:, :h], qk[:, h:]
-        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
-        o = ragged_attention(self.layer, q, k, v, batch, pool, self.scale)
+        q, k, v = step.ops.rope_write_kv(qkv, step.batch.positions, step.cos, step.sin, step.batch.slots,
+                                         step.pool, self.layer, self.num_heads, self.num_kv_heads,
+                                         self.head_dim)                 # [T, H, D], [T, KVH, D] x 2
+        o = step.attention(self.layer, q, k, v, step.plan, step.pool, self.scale)   # [T, H, D]
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -119,9 +131,8 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
         self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(torch.nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -132,12 +143,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: RaggedBatch, pool: KVPool, rope: Rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, pool, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] of the step's positions
+    def forward(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, step: Step) -> torch.Tensor:
+        """``normed`` = this layer's input norm of ``residual``; updates ``residual`` in place
+        and returns ``next_norm`` of it (the next layer's input norm, or the final norm)."""
+        a = self.self_attn(normed, step)
+        step.ops.add_rms_norm_(a, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        m = self.mlp(a, step.ops)
+        step.ops.add_rms_norm_(m, residual, next_norm.weight, next_norm.eps)
+        return m
 
 
 # HF checkpoint name fragment -> (fused module attribute, part index)
@@ -160,26 +173,46 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq, scaling = rope_parameters(hf_config)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions)
-        self.head_weight: torch.Tensor | None = None  # output projection; set by prepare()
+        self.head: Linear | None = None  # output projection; set by prepare()
+        self.ops: Ops = TorchOps()
+        self.attention: AttentionBackend | None = None
 
-    def prepare(self) -> None:
-        """After loading and moving: pick the output projection and pack weights where it pays."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if can_pack_weights(head.device, head.dtype):
-            for m in self.modules():
-                if isinstance(m, (ColumnLinear, RowLinear)):
-                    m.pack()
-            head = pack_weight(head)  # tied: a packed copy; the embedding gather keeps the plain one
-        self.head_weight = head
+    def prepare(self, kernels: str = "torch") -> None:
+        """After loading and moving: give every linear layer its weight format, pick the
+        output projection, and the small-op and attention implementations (``kernels``:
+        "native" = fastgen's CPU kernels, already loaded; "torch" = plain PyTorch)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepare(default_format)
+        if self.lm_head is not None:
+            self.head = self.lm_head
+        else:  # tied: the output projection gets its own format; the embedding gather keeps the plain one
+            emb = self.embed_tokens.weight
+            self.head = RowLinear(emb.shape[1], emb.shape[0], bias=False).to(emb.device)
+            self.head.weight = nn.Parameter(emb.data, requires_grad=False)
+            self.head.prepare(default_format)
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        if kernels == "native":
+            if not native_supported(device, dtype):
+                raise ValueError(f"native kernels cover CPU fp32/bf16, not {device.type} {dtype}")
+            self.ops, self.attention = NativeOps(), PagedAttention(dtype, device)
+        else:
+            self.ops, self.attention = TorchOps(), SdpaAttention(dtype, device)
+
+    @property
+    def kernels(self) -> str:
+        return self.ops.name
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
-        x = self.embed_tokens(batch.token_ids)                     # [T, hidden]
-        rope = self.rope.tables(batch.positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, batch, pool, rope)
-        x = self.norm(x[batch.logits_indices])                     # [num_logits, hidden]
-        return linear(x, self.head_weight, None).float()           # [num_logits, vocab]
+        step = Step(batch, pool, self.attention.plan(batch), self.ops, self.attention, self.rope.cos, self.rope.sin)
+        residual = self.embed_tokens(batch.token_ids)              # [T, hidden]
+        first = self.layers[0].input_layernorm
+        x = self.ops.rms_norm(residual, first.weight, first.eps)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x = layer(x, residual, nxt, step)                      # x = nxt(residual)
+        return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""

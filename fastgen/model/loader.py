@@ -196,8 +196,9 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_positions: int,
-               hf_config: Any | None = None) -> torch.nn.Module:
-    """Instantiate the registered class for the config and fill it from the checkpoint."""
+               hf_config: Any | None = None, kernels: str = "torch") -> torch.nn.Module:
+    """Instantiate the registered class for the config and fill it from the checkpoint.
+    ``kernels``: "torch" or "native" (resolved by ``fastgen.config.resolve_kernels``)."""
     hf_config = hf_config or load_hf_config(path)
     cls = model_class(hf_config.model_type)
     cfg = ModelConfig.from_hf(hf_config)
@@ -207,5 +208,5 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
     weights = iter_gguf_tensors(path, cfg) if path.endswith(".gguf") else iter_safetensors(path)
     model.load_weights((name, w.to(dtype)) for name, w in weights)
     model = model.to(device).eval()
-    model.prepare()
+    model.prepare(kernels)
     return model

@@ -22,7 +22,7 @@ def ragged_logits(model, cfg, sequences: list[list[int]], *, block_size: int, se
     num_blocks = sum(-(-len(s) // block_size) for s in sequences) + 2
     pool = KVPool(num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=block_size,
                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                  dtype=next(model.parameters()).dtype, device=torch.device("cpu"))
+                  dtype=model.embed_tokens.weight.dtype, device=torch.device("cpu"))
     alloc = BlockAllocator(num_blocks)
     # hand out blocks in a scrambled order so that block tables are not contiguous
     alloc.allocate(1)
@@ -39,11 +39,11 @@ def ragged_logits(model, cfg, sequences: list[list[int]], *, block_size: int, se
             n = min(rng.randint(1, max_chunk), len(sequences[i]) - done[i])
             seqs.append(SeqInput(sequences[i][done[i]:done[i] + n], done[i], tables[i], n))
             ids.append(i)
-        batch = build_batch(seqs, block_size, torch.device("cpu"), next(model.parameters()).dtype)
+        batch = build_batch(seqs, block_size, torch.device("cpu"))
         if paths is not None:
             paths["decode"] = paths.get("decode", 0) + (batch.num_decodes > 0)
-            for c in batch.chunks:
-                key = "fresh" if c.mask is None else "continuing"
+            for s in range(batch.num_decodes, batch.num_seqs):
+                key = "fresh" if batch.start_pos[s] == 0 else "continuing"
                 paths[key] = paths.get(key, 0) + 1
         logits = model(batch, pool)
         row = 0

@@ -31,8 +31,18 @@ def _tiny_configs():
     }
 
 
+def _kernels(kind: str) -> str:
+    """"native" must build on the test machine (it has a C++ compiler): a failure is a failure."""
+    if kind == "native":
+        from fastgen import kernels
+
+        assert kernels.load(), "fastgen's native CPU kernels did not build"
+    return kind
+
+
+@pytest.mark.parametrize("kind", ["torch", "native"])
 @pytest.mark.parametrize("name", list(_tiny_configs()))
-def test_tiny_model_matches_transformers(name, tmp_path):
+def test_tiny_model_matches_transformers(name, kind, tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf_config = _tiny_configs()[name]
@@ -43,7 +53,9 @@ def test_tiny_model_matches_transformers(name, tmp_path):
             p.add_(torch.randn_like(p) * 0.05)
     ref.save_pretrained(tmp_path)
 
-    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"), max_positions=256)
+    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"), max_positions=256,
+                       kernels=_kernels(kind))
+    assert model.kernels == kind
     cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (1, 5, 23, 40, 67)]
@@ -64,11 +76,12 @@ def test_qwen2_has_qkv_bias_and_it_is_loaded(tmp_path):
     assert cfg.qkv_bias and not cfg.o_bias
 
 
-def test_smollm2_gguf_matches_transformers(smollm2_path, smollm2_reference):
+@pytest.mark.parametrize("kind", ["torch", "native"])
+def test_smollm2_gguf_matches_transformers(kind, smollm2_path, smollm2_reference):
     hf_config = load_hf_config(smollm2_path)
     cfg = ModelConfig.from_hf(hf_config)
     model = load_model(smollm2_path, dtype=torch.float32, device=torch.device("cpu"), max_positions=512,
-                       hf_config=hf_config)
+                       hf_config=hf_config, kernels=_kernels(kind))
     gen = torch.Generator().manual_seed(2)
     sequences = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 30, 70)]
     got = ragged_logits(model, cfg, sequences, block_size=16, seed=5, max_chunk=24)
@@ -91,18 +104,21 @@ def test_gguf_dequantized_weights_match_transformers_loader(smollm2_path, smollm
     assert seen == 2 * 9 + 2
 
 
-def test_bf16_packed_weights_match_transformers_bf16(tmp_path):
+@pytest.mark.parametrize("kind", ["torch", "native"])
+def test_bf16_packed_weights_match_transformers_bf16(kind, tmp_path):
     """The bf16 path (oneDNN-packed weights on CPU) agrees with transformers in bf16."""
     from transformers import AutoModelForCausalLM
 
-    from fastgen.model.layers import can_pack_weights
+    from fastgen.model.layers import PackedWeight
 
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(_tiny_configs()["llama"], dtype=torch.float32).eval()
     ref.save_pretrained(tmp_path)
-    model = load_model(str(tmp_path), dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=256)
+    model = load_model(str(tmp_path), dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=256,
+                       kernels=_kernels(kind))
     cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
-    assert model.layers[0].mlp.down_proj.weight.is_mkldnn == can_pack_weights(torch.device("cpu"), torch.bfloat16)
+    packed = PackedWeight.supported(torch.device("cpu"), torch.bfloat16)
+    assert model.layers[0].mlp.down_proj.format.name == ("onednn-packed" if packed else "dense")
     ref = ref.to(torch.bfloat16)
     gen = torch.Generator().manual_seed(4)
     sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (9, 33)]

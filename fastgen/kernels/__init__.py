@@ -1,0 +1,86 @@
+"""fastgen's native CPU kernels, built once per host and loaded as ``torch.ops.fastgen.*``.
+
+``csrc/cpu_kernels.cpp`` holds the work around the weight products, fused (RMSNorm with
+the residual add, SiLU*up, RoPE with the KV-pool write) and attention that reads the KV
+block pool in place (``paged_attention``). It is compiled by
+``torch.utils.cpp_extension`` with ``-O3 -march=native`` into fastgen's cache folder,
+keyed by the source, the torch version and the CPU's flags, so a rebuild happens only
+when one of them changes. ``make setup`` builds it (``python -m fastgen.kernels``); an
+engine that finds it missing builds it at start-up (about a minute on 2 cores, logged).
+
+Where no compiler is present or the build fails, :func:`load` returns False and the
+engine runs the pure-PyTorch path: the kernels are a speed-up, never a requirement.
+They are CPU-only; on CUDA the PyTorch path runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """Extension name: changes with the source, torch and the CPU's ISA (``-march=native``)."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return f"fastgen_cpu_kernels_{h.hexdigest()[:12]}"
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (first time on this host) and load the kernels; True when ``torch.ops.fastgen`` works."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        _state["ok"] = _load(verbose)
+        return _state["ok"]
+
+
+def _load(verbose: bool) -> bool:
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return False
+    name = build_name()
+    build_dir = cache_dir() / "kernels" / name
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        built = any(build_dir.glob(f"{name}*.so"))
+        if not built:
+            log.warning("building fastgen's native CPU kernels for this host (once; about a minute)...")
+        t0 = time.perf_counter()
+        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+        if not built:
+            log.warning("native CPU kernels built in %.0f s (%s)", time.perf_counter() - t0, build_dir)
+        return hasattr(torch.ops.fastgen, "paged_attention")
+    except Exception as e:  # no compiler, no headers, a build error: the PyTorch path still works
+        log.warning("fastgen's native CPU kernels are unavailable (%s); using the PyTorch path",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False

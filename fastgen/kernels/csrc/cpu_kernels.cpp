@@ -1,0 +1,438 @@
+// fastgen's native CPU kernels: the small work around the weight products, fused, and
+// attention that reads the KV block pool in place.
+//
+// Built once per host at first use (fastgen/kernels/__init__.py) with -O3 -march=native;
+// plain loops written so that the compiler vectorises them (bf16 is widened to fp32 by a
+// shift, all arithmetic is fp32). Registered as torch ops in the `fastgen` namespace.
+//
+// Layouts (see fastgen/cache/pool.py, fastgen/model/attention.py):
+//   KV pool per layer  [num_blocks, block_size, num_kv_heads, head_dim]
+//   q                  [T, H, D]  (flat ragged batch)
+//   block_tables       [S, max_blocks] int32, q_starts [S + 1] int32, start_pos [S] int32
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const at::BFloat16* p, int64_t i) {
+  uint32_t u = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = at::BFloat16(v); }
+
+// ---------------------------------------------------------------------------------------
+// rms_norm(x) * w, optionally after residual += x (then x is replaced by the normed sum).
+template <typename T>
+void rms_rows(T* x, T* residual, const T* w, int64_t rows, int64_t n, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* xr = x + r * n;
+      float ss = 0.f;
+      if (residual != nullptr) {
+        T* rr = residual + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          // the sum is rounded to the storage dtype, as the eager `x + y` is
+          store(rr, i, load(rr, i) + load(xr, i));
+          buf[i] = load(rr, i);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) buf[i] = load(xr, i);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) store(xr, i, buf[i] * inv * load(w, i));
+    }
+  });
+}
+
+// out = rms_norm(x) * w  (x untouched)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type());
+  at::Tensor out = x.clone();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        rms_rows<float>(out.data_ptr<float>(), nullptr, w.data_ptr<float>(), x.size(0), x.size(1), eps); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rms_rows<at::BFloat16>(out.data_ptr<at::BFloat16>(), nullptr, w.data_ptr<at::BFloat16>(),
+                               x.size(0), x.size(1), eps); }));
+  return out;
+}
+
+// residual += x; x = rms_norm(residual) * w   (both in place)
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && w.is_contiguous());
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() &&
+              x.scalar_type() == w.scalar_type());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm_",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        rms_rows<float>(x.data_ptr<float>(), residual.data_ptr<float>(), w.data_ptr<float>(),
+                        x.size(0), x.size(1), eps); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rms_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(),
+                               w.data_ptr<at::BFloat16>(), x.size(0), x.size(1), eps); }));
+}
+
+// ---------------------------------------------------------------------------------------
+// silu(gate) * up for gate_up = [T, 2I] (gate first) -> [T, I]
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = load(g, i);
+        // eager rounds silu(gate) to the storage dtype before the product
+        const float s = static_cast<float>(static_cast<T>(gv / (1.f + std::exp(-gv))));
+        store(o, i, s * load(u, i));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0);
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());
+  AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_mul",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        silu_mul_rows<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                                    gate_up.size(0), inter); }));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// RoPE (rotate-half convention) of q and k from the fused QKV output, written as
+// q [T, H, D] and k [T, KVH, D] (new tensors); rotated k and raw v are stored into the pool
+// at `slots`. cos/sin: [max_positions, D] fp32 tables (halves equal), scaling folded in.
+template <typename T>
+void rope_rows(const T* qkv, const int64_t* pos, const float* cos, const float* sin,
+               const int64_t* slots, T* q_out, T* k_out, T* kpool, T* vpool, int64_t tokens,
+               int64_t h, int64_t kvh, int64_t d) {
+  const int64_t width = (h + 2 * kvh) * d, half = d / 2;
+  at::parallel_for(0, tokens, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* row = qkv + t * width;
+      const float* c = cos + pos[t] * d;
+      const float* s = sin + pos[t] * d;
+      T* kdst = kpool + slots[t] * kvh * d;
+      T* vdst = vpool + slots[t] * kvh * d;
+      for (int64_t head = 0; head < h + kvh; ++head) {
+        const T* x = row + head * d;
+        T* dst = head < h ? q_out + (t * h + head) * d : k_out + (t * kvh + head - h) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = load(x, i), b = load(x, i + half);
+          // eager: x * cos + swap(x) * signed_sin, each product rounded to T
+          const float ac = static_cast<float>(static_cast<T>(a * c[i]));
+          const float bs = static_cast<float>(static_cast<T>(b * s[i]));
+          const float bc = static_cast<float>(static_cast<T>(b * c[i + half]));
+          const float as = static_cast<float>(static_cast<T>(a * s[i + half]));
+          store(dst, i, ac - bs);
+          store(dst, i + half, bc + as);
+        }
+        if (head >= h) std::memcpy(kdst + (head - h) * d, dst, d * sizeof(T));
+      }
+      std::memcpy(vdst, row + (h + kvh) * d, kvh * d * sizeof(T));
+    }
+  });
+}
+
+std::vector<at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions,
+                                      const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& slots, at::Tensor& k_pool, at::Tensor& v_pool,
+                                      int64_t h, int64_t kvh, int64_t d) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * kvh) * d, "qkv must be [T, (H + 2 KVH) * D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == d);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == qkv.scalar_type());
+  at::Tensor x = qkv.contiguous();
+  const int64_t tokens = x.size(0);
+  at::Tensor q = at::empty({tokens, h, d}, x.options());
+  at::Tensor k = at::empty({tokens, kvh, d}, x.options());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rope_write_kv",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        rope_rows<float>(x.data_ptr<float>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                         sin.data_ptr<float>(), slots.data_ptr<int64_t>(), q.data_ptr<float>(),
+                         k.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                         tokens, h, kvh, d); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rope_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), positions.data_ptr<int64_t>(),
+                                cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                                q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(),
+                                k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
+                                tokens, h, kvh, d); }));
+  return {q, k};
+}
+
+// ---------------------------------------------------------------------------------------
+// Paged attention over the block pool, read in place. Query i of sequence s sits at
+// position start_pos[s] + (i - q_starts[s]) and attends causally to keys 0..position.
+// Work items are (sequence, kv head, key split): every query head that shares the kv head
+// is computed while its keys are in L1 (GQA); long contexts are split over the threads
+// (flash-decoding) and the partial softmaxes merged at the end.
+struct Partial {
+  float m, l;
+};
+
+template <typename T>
+void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
+                          const int32_t* start_pos, const int32_t* tables, int64_t max_blocks,
+                          int64_t num_seqs, int64_t h, int64_t kvh, int64_t d, int64_t bs,
+                          float scale, int64_t num_threads, T* out) {
+  const int64_t group = h / kvh;
+  // key splits per (sequence, kv head): enough items to keep every thread busy
+  std::vector<int64_t> splits(num_seqs), item_start(num_seqs + 1, 0);
+  int64_t total_keys = 0;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    total_keys += start_pos[s] + (q_starts[s + 1] - q_starts[s]);
+  const int64_t target_items = 4 * num_threads;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t nq = q_starts[s + 1] - q_starts[s];
+    const int64_t keys = start_pos[s] + nq;
+    const int64_t nblk = (keys + bs - 1) / bs;
+    int64_t want = 1;
+    if (num_seqs * kvh < target_items && total_keys > 0)
+      want = std::max<int64_t>(1, (target_items * keys) / (total_keys * kvh));
+    splits[s] = std::min<int64_t>(want, std::max<int64_t>(1, nblk / 2));
+    item_start[s + 1] = item_start[s] + splits[s] * kvh;
+  }
+  const int64_t num_items = item_start[num_seqs];
+  // partial outputs for split items: [num_items][rows of the seq's group][d]
+  std::vector<int64_t> part_off(num_items + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = (q_starts[s + 1] - q_starts[s]) * group;
+    for (int64_t it = item_start[s]; it < item_start[s + 1]; ++it)
+      part_off[it + 1] = part_off[it] + (splits[s] > 1 ? rows : 0);
+  }
+  std::vector<float> part_acc(part_off[num_items] * d);
+  std::vector<Partial> part_ml(part_off[num_items]);
+
+  at::parallel_for(0, num_items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf, acc, scores(bs);
+    std::vector<Partial> ml;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), it) - item_start.begin() - 1;
+      const int64_t local = it - item_start[s];
+      const int64_t kv = local / splits[s], split = local % splits[s];
+      const int64_t nq = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
+      const int64_t keys = p0 + nq, nblk = (keys + bs - 1) / bs;
+      const int64_t b0 = nblk * split / splits[s], b1 = nblk * (split + 1) / splits[s];
+      const int64_t rows = nq * group;  // row r: query r / group, head kv * group + r % group
+      qf.assign(rows * d, 0.f);
+      acc.assign(rows * d, 0.f);
+      ml.assign(rows, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* src = q + ((q_starts[s] + r / group) * h + kv * group + r % group) * d;
+        for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(src, i) * scale;
+      }
+      const int32_t* table = tables + s * max_blocks;
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t first_key = b * bs, n = std::min(bs, keys - first_key);
+        const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+        const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = p0 + r / group;
+          const int64_t visible = std::min(n, pos - first_key + 1);
+          if (visible <= 0) continue;
+          const float* qr = qf.data() + r * d;
+          float mx = ml[r].m;
+          for (int64_t j = 0; j < visible; ++j) {
+            const T* kj = kb + j * kvh * d;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < d; ++i) dot += qr[i] * load(kj, i);
+            scores[j] = dot;
+            mx = std::max(mx, dot);
+          }
+          const float corr = std::exp(ml[r].m - mx);
+          float* ar = acc.data() + r * d;
+          float l = ml[r].l * corr;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float p = std::exp(scores[j] - mx);
+            l += p;
+            const T* vj = vb + j * kvh * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ar[i] += p * load(vj, i);
+          }
+          ml[r] = Partial{mx, l};
+        }
+      }
+      if (splits[s] > 1) {
+        std::memcpy(part_acc.data() + part_off[it] * d, acc.data(), rows * d * sizeof(float));
+        std::copy(ml.begin(), ml.end(), part_ml.begin() + part_off[it]);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          T* dst = out + ((q_starts[s] + r / group) * h + kv * group + r % group) * d;
+          const float inv = ml[r].l > 0.f ? 1.f / ml[r].l : 0.f;
+          for (int64_t i = 0; i < d; ++i) store(dst, i, acc[r * d + i] * inv);
+        }
+      }
+    }
+  });
+  // merge the splits of long sequences
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (splits[s] == 1) continue;
+    const int64_t rows = (q_starts[s + 1] - q_starts[s]) * group;
+    at::parallel_for(0, kvh * rows, 1, [&](int64_t w0, int64_t w1) {
+      std::vector<float> o(d);
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t kv = w / rows, r = w % rows;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t sp = 0; sp < splits[s]; ++sp)
+          mx = std::max(mx, part_ml[part_off[item_start[s] + kv * splits[s] + sp] + r].m);
+        float l = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t sp = 0; sp < splits[s]; ++sp) {
+          const int64_t off = part_off[item_start[s] + kv * splits[s] + sp] + r;
+          if (part_ml[off].l == 0.f) continue;
+          const float c = std::exp(part_ml[off].m - mx);
+          l += part_ml[off].l * c;
+          const float* a = part_acc.data() + off * d;
+          for (int64_t i = 0; i < d; ++i) o[i] += a[i] * c;
+        }
+        T* dst = out + ((q_starts[s] + r / group) * h + kv * group + r % group) * d;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int64_t i = 0; i < d; ++i) store(dst, i, o[i] * inv);
+      }
+    });
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& q_starts, const at::Tensor& start_pos,
+                           const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be [T, H, D] contiguous");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type());
+  TORCH_CHECK(q_starts.scalar_type() == at::kInt && start_pos.scalar_type() == at::kInt &&
+              block_tables.scalar_type() == at::kInt && block_tables.is_contiguous());
+  const int64_t num_seqs = start_pos.size(0);
+  TORCH_CHECK(q_starts.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
+  const int64_t h = q.size(1), d = q.size(2), bs = k_pool.size(1), kvh = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == d && h % kvh == 0);
+  at::Tensor out = at::empty_like(q);
+  const int64_t threads = at::get_num_threads();
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        paged_attention_impl<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                    q_starts.data_ptr<int32_t>(), start_pos.data_ptr<int32_t>(),
+                                    block_tables.data_ptr<int32_t>(), block_tables.size(1), num_seqs, h, kvh,
+                                    d, bs, static_cast<float>(scale), threads, out.data_ptr<float>()); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        paged_attention_impl<at::BFloat16>(
+            q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
+            q_starts.data_ptr<int32_t>(), start_pos.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+            block_tables.size(1), num_seqs, h, kvh, d, bs, static_cast<float>(scale), threads,
+            out.data_ptr<at::BFloat16>()); }));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// y = x @ W.T (+ b) for a few rows of x: the decode-step product, which only has to stream
+// W once at the memory's rate. x [m, k], W [n, k] row-major, fp32 accumulation; four
+// output features at a time so that four independent FMA chains hide the FMA latency.
+template <typename T>
+void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
+  std::vector<float> xf(m * k);
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
+  at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t o = g * 4;
+      if (o + 4 <= n) {
+        const T* w0 = w + o * k;
+        const T* w1 = w0 + k;
+        const T* w2 = w1 + k;
+        const T* w3 = w2 + k;
+        for (int64_t r = 0; r < m; ++r) {
+          const float* xr = xf.data() + r * k;
+          float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+          for (int64_t i = 0; i < k; ++i) {
+            const float xv = xr[i];
+            a0 += xv * load(w0, i);
+            a1 += xv * load(w1, i);
+            a2 += xv * load(w2, i);
+            a3 += xv * load(w3, i);
+          }
+          float acc[4] = {a0, a1, a2, a3};
+          for (int j = 0; j < 4; ++j)
+            store(y, r * n + o + j, acc[j] + (bias != nullptr ? load(bias, o + j) : 0.f));
+        }
+      } else {
+        for (int64_t oo = o; oo < n; ++oo) {
+          const T* wr = w + oo * k;
+          for (int64_t r = 0; r < m; ++r) {
+            const float* xr = xf.data() + r * k;
+            float a = 0.f;
+#pragma omp simd reduction(+ : a)
+            for (int64_t i = 0; i < k; ++i) a += xr[i] * load(wr, i);
+            store(y, r * n + oo, a + (bias != nullptr ? load(bias, oo) : 0.f));
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, k], w [n, k]");
+  TORCH_CHECK(w.is_contiguous() && x.scalar_type() == w.scalar_type());
+  at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), n = w.size(0), k = w.size(1);
+  at::Tensor y = at::empty({m, n}, xc.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == n && b.scalar_type() == w.scalar_type());
+  }
+  AT_DISPATCH_SWITCH(w.scalar_type(), "gemv",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        gemv_impl<float>(xc.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                         y.data_ptr<float>(), m, n, k); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        gemv_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
+                                b.defined() ? b.data_ptr<at::BFloat16>() : nullptr,
+                                y.data_ptr<at::BFloat16>(), m, n, k); }));
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fastgen, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
+        "Tensor(a!) k_pool, Tensor(b!) v_pool, int h, int kvh, int d) -> Tensor[]");
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor q_starts, Tensor start_pos, "
+        "Tensor block_tables, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("gemv", &gemv);
+}
