@@ -73,12 +73,38 @@ class PackedWeight:
         return self._bytes + _nbytes(self.bias)
 
 
+class GemvDenseWeight(DenseWeight):
+    """A plain weight; up to ``MAX_GEMV_ROWS`` rows (decode steps) go through fastgen's native
+    GEMV, which streams the weight once near the memory's rate, more rows through ``F.linear``.
+
+    Measured on the 2-core Zen 5 host (AVX512-BF16), SmolLM2's 120 linear weights, one row:
+    bf16 native GEMV 4.6 ms (46 GB/s) against oneDNN-packed 6.5 ms and ``F.linear`` 9.3 ms;
+    fp32 9.7 ms against 25 ms; GEMV still wins at 8 rows (bf16 8.9 ms against 10.4 ms), and
+    for 256 rows the plain weight in ``F.linear`` is within 7% of the packed one.
+    """
+
+    name = "dense+gemv"
+    MAX_GEMV_ROWS = 8
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight.contiguous(), bias)
+        self._gemv = torch.ops.fastgen.gemv
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.MAX_GEMV_ROWS:
+            return self._gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def default_format(weight: torch.Tensor, bias: torch.Tensor | None) -> WeightFormat:
-    """The fastest format for this device and dtype that needs no extra choice from the user."""
+def default_format(weight: torch.Tensor, bias: torch.Tensor | None, kernels: str = "torch") -> WeightFormat:
+    """The fastest format for this device, dtype and kernel set that needs no extra choice
+    from the user."""
+    if kernels == "native":
+        return GemvDenseWeight(weight, bias)
     if PackedWeight.supported(weight.device, weight.dtype):
         return PackedWeight(weight, bias)
     return DenseWeight(weight, bias)

@@ -181,16 +181,19 @@ class LlamaForCausalLM(nn.Module):
         """After loading and moving: give every linear layer its weight format, pick the
         output projection, and the small-op and attention implementations (``kernels``:
         "native" = fastgen's CPU kernels, already loaded; "torch" = plain PyTorch)."""
+        def make_format(weight, bias):
+            return default_format(weight, bias, kernels)
+
         for m in self.modules():
             if isinstance(m, Linear):
-                m.prepare(default_format)
+                m.prepare(make_format)
         if self.lm_head is not None:
             self.head = self.lm_head
         else:  # tied: the output projection gets its own format; the embedding gather keeps the plain one
             emb = self.embed_tokens.weight
             self.head = RowLinear(emb.shape[1], emb.shape[0], bias=False).to(emb.device)
             self.head.weight = nn.Parameter(emb.data, requires_grad=False)
-            self.head.prepare(default_format)
+            self.head.prepare(make_format)
         dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
         if kernels == "native":
             if not native_supported(device, dtype):

@@ -13,11 +13,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -187,15 +192,39 @@ std::vector<at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& p
 // Work items are (sequence, kv head, key split): every query head that shares the kv head
 // is computed while its keys are in L1 (GQA); long contexts are split over the threads
 // (flash-decoding) and the partial softmaxes merged at the end.
+// exp(x) for x <= 0 in the softmax, vectorisable: 2^(x log2 e) split into an integer power
+// (built in the exponent bits) and 2^f, |f| <= 1/2, by its degree-6 Taylor polynomial
+// (relative error ~1e-7). Inputs below -87 give ~1e-38 (exp(-inf) -> ~0).
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t + 0.5f);
+  const float f = t - fi;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 struct Partial {
   float m, l;
 };
 
-template <typename T>
+// DC: the head dim as a compile-time constant (64, 128: loops fully unrolled, no remainder
+// handling; measured 1.6x faster at 64) or 0 for any other head dim.
+template <typename T, int64_t DC>
 void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                           const int32_t* start_pos, const int32_t* tables, int64_t max_blocks,
-                          int64_t num_seqs, int64_t h, int64_t kvh, int64_t d, int64_t bs,
+                          int64_t num_seqs, int64_t h, int64_t kvh, int64_t d_runtime, int64_t bs,
                           float scale, int64_t num_threads, T* out) {
+  const int64_t d = DC > 0 ? DC : d_runtime;
   const int64_t group = h / kvh;
   // key splits per (sequence, kv head): enough items to keep every thread busy
   std::vector<int64_t> splits(num_seqs), item_start(num_seqs + 1, 0);
@@ -225,7 +254,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   std::vector<Partial> part_ml(part_off[num_items]);
 
   at::parallel_for(0, num_items, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf, acc, scores(bs);
+    std::vector<float> qf, acc, scores(bs), kf(bs * d), vf(bs * d);
     std::vector<Partial> ml;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t s = std::upper_bound(item_start.begin(), item_start.end(), it) - item_start.begin() - 1;
@@ -247,6 +276,17 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         const int64_t first_key = b * bs, n = std::min(bs, keys - first_key);
         const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
         const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+        // the block's keys and values widened to fp32 once, shared by every row
+        for (int64_t j = 0; j < n; ++j) {
+          const T* kj = kb + j * kvh * d;
+          const T* vj = vb + j * kvh * d;
+          float* kfj = kf.data() + j * d;
+          float* vfj = vf.data() + j * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) kfj[i] = load(kj, i);
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) vfj[i] = load(vj, i);
+        }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = p0 + r / group;
           const int64_t visible = std::min(n, pos - first_key + 1);
@@ -254,26 +294,30 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
           const float* qr = qf.data() + r * d;
           float mx = ml[r].m;
           for (int64_t j = 0; j < visible; ++j) {
-            const T* kj = kb + j * kvh * d;
+            const float* kj = kf.data() + j * d;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; ++i) dot += qr[i] * load(kj, i);
+            for (int64_t i = 0; i < d; ++i) dot += qr[i] * kj[i];
             scores[j] = dot;
             mx = std::max(mx, dot);
           }
-          const float corr = std::exp(ml[r].m - mx);
+          const float corr = fast_exp(ml[r].m - mx);
+          float l = 0.f;
+#pragma omp simd reduction(+ : l)
+          for (int64_t j = 0; j < visible; ++j) {
+            scores[j] = fast_exp(scores[j] - mx);
+            l += scores[j];
+          }
           float* ar = acc.data() + r * d;
-          float l = ml[r].l * corr;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
           for (int64_t j = 0; j < visible; ++j) {
-            const float p = std::exp(scores[j] - mx);
-            l += p;
-            const T* vj = vb + j * kvh * d;
+            const float p = scores[j];
+            const float* vj = vf.data() + j * d;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ar[i] += p * load(vj, i);
+            for (int64_t i = 0; i < d; ++i) ar[i] += p * vj[i];
           }
-          ml[r] = Partial{mx, l};
+          ml[r] = Partial{mx, ml[r].l * corr + l};
         }
       }
       if (splits[s] > 1) {
@@ -317,6 +361,22 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   }
 }
 
+template <typename T>
+void paged_attention_dispatch(const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
+                              const int32_t* start_pos, const int32_t* tables, int64_t max_blocks,
+                              int64_t num_seqs, int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale,
+                              int64_t threads, T* out) {
+  if (d == 64)
+    paged_attention_impl<T, 64>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
+                                bs, scale, threads, out);
+  else if (d == 128)
+    paged_attention_impl<T, 128>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
+                                 bs, scale, threads, out);
+  else
+    paged_attention_impl<T, 0>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
+                               bs, scale, threads, out);
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& q_starts, const at::Tensor& start_pos,
                            const at::Tensor& block_tables, double scale) {
@@ -333,12 +393,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const int64_t threads = at::get_num_threads();
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        paged_attention_impl<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                                    q_starts.data_ptr<int32_t>(), start_pos.data_ptr<int32_t>(),
-                                    block_tables.data_ptr<int32_t>(), block_tables.size(1), num_seqs, h, kvh,
-                                    d, bs, static_cast<float>(scale), threads, out.data_ptr<float>()); })
+        paged_attention_dispatch<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                        q_starts.data_ptr<int32_t>(), start_pos.data_ptr<int32_t>(),
+                                        block_tables.data_ptr<int32_t>(), block_tables.size(1), num_seqs, h,
+                                        kvh, d, bs, static_cast<float>(scale), threads, out.data_ptr<float>()); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        paged_attention_impl<at::BFloat16>(
+        paged_attention_dispatch<at::BFloat16>(
             q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
             q_starts.data_ptr<int32_t>(), start_pos.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
             block_tables.size(1), num_seqs, h, kvh, d, bs, static_cast<float>(scale), threads,
@@ -350,45 +410,74 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // y = x @ W.T (+ b) for a few rows of x: the decode-step product, which only has to stream
 // W once at the memory's rate. x [m, k], W [n, k] row-major, fp32 accumulation; four
 // output features at a time so that four independent FMA chains hide the FMA latency.
+constexpr int64_t kPrefetchBytes = 4096;  // ahead of the stream: rows are contiguous
+
+// Dot product of one x row with one W row, read front to back (the hardware prefetcher
+// follows one stream; four interleaved short rows measured 15 GB/s per core against 32),
+// with four accumulators to hide the FMA latency and a software prefetch 4 KiB ahead
+// (per-layer weights are too short for the hardware prefetcher to ramp up: 32 -> 46 GB/s).
+template <typename T>
+inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
+  int64_t i = 0;
+  float tail = 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    // vdpbf16ps: exact bf16 products, fp32 sums; x is bf16 already, so nothing is lost
+    __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(),
+           v3 = _mm512_setzero_ps();
+    for (; i + 128 <= k; i += 128) {
+      const char* ahead = reinterpret_cast<const char*>(wr + i) + kPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + 128, _MM_HINT_T0);
+      _mm_prefetch(ahead + 192, _MM_HINT_T0);
+      v0 = _mm512_dpbf16_ps(v0, (__m512bh)_mm512_loadu_si512(xraw + i), (__m512bh)_mm512_loadu_si512(wr + i));
+      v1 = _mm512_dpbf16_ps(v1, (__m512bh)_mm512_loadu_si512(xraw + i + 32),
+                            (__m512bh)_mm512_loadu_si512(wr + i + 32));
+      v2 = _mm512_dpbf16_ps(v2, (__m512bh)_mm512_loadu_si512(xraw + i + 64),
+                            (__m512bh)_mm512_loadu_si512(wr + i + 64));
+      v3 = _mm512_dpbf16_ps(v3, (__m512bh)_mm512_loadu_si512(xraw + i + 96),
+                            (__m512bh)_mm512_loadu_si512(wr + i + 96));
+    }
+    for (; i + 32 <= k; i += 32)
+      v0 = _mm512_dpbf16_ps(v0, (__m512bh)_mm512_loadu_si512(xraw + i), (__m512bh)_mm512_loadu_si512(wr + i));
+    tail = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(),
+           v3 = _mm512_setzero_ps();
+    for (; i + 64 <= k; i += 64) {
+      const char* ahead = reinterpret_cast<const char*>(wr + i) + kPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + 128, _MM_HINT_T0);
+      _mm_prefetch(ahead + 192, _MM_HINT_T0);
+      v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(wr + i), v0);
+      v1 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(wr + i + 16), v1);
+      v2 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 32), _mm512_loadu_ps(wr + i + 32), v2);
+      v3 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 48), _mm512_loadu_ps(wr + i + 48), v3);
+    }
+    for (; i + 16 <= k; i += 16) v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(wr + i), v0);
+    tail = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
+  }
+#endif
+  float a = 0.f;
+#pragma omp simd reduction(+ : a)
+  for (int64_t j = i; j < k; ++j) a += xr[j] * load(wr, j);
+  return tail + a;
+}
+
 template <typename T>
 void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
   std::vector<float> xf(m * k);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
-  at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t o = g * 4;
-      if (o + 4 <= n) {
-        const T* w0 = w + o * k;
-        const T* w1 = w0 + k;
-        const T* w2 = w1 + k;
-        const T* w3 = w2 + k;
-        for (int64_t r = 0; r < m; ++r) {
-          const float* xr = xf.data() + r * k;
-          float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-          for (int64_t i = 0; i < k; ++i) {
-            const float xv = xr[i];
-            a0 += xv * load(w0, i);
-            a1 += xv * load(w1, i);
-            a2 += xv * load(w2, i);
-            a3 += xv * load(w3, i);
-          }
-          float acc[4] = {a0, a1, a2, a3};
-          for (int j = 0; j < 4; ++j)
-            store(y, r * n + o + j, acc[j] + (bias != nullptr ? load(bias, o + j) : 0.f));
-        }
-      } else {
-        for (int64_t oo = o; oo < n; ++oo) {
-          const T* wr = w + oo * k;
-          for (int64_t r = 0; r < m; ++r) {
-            const float* xr = xf.data() + r * k;
-            float a = 0.f;
-#pragma omp simd reduction(+ : a)
-            for (int64_t i = 0; i < k; ++i) a += xr[i] * load(wr, i);
-            store(y, r * n + oo, a + (bias != nullptr ? load(bias, oo) : 0.f));
-          }
-        }
-      }
+  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t o = n0; o < n1; ++o) {
+      const T* wr = w + o * k;
+      const float b = bias != nullptr ? load(bias, o) : 0.f;
+      for (int64_t r = 0; r < m; ++r) store(y, r * n + o, dot1<T>(xf.data() + r * k, x + r * k, wr, k) + b);
     }
   });
 }
