@@ -24,13 +24,19 @@ def _add_dataclass_options(parser: argparse.ArgumentParser, cls: type, skip: tup
         hint = hints[f.name]
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint)
-        if base is bool:
+        if int in args and str in args:  # a number or "auto"
+            parser.add_argument(flag, type=_int_or_auto, default=argparse.SUPPRESS, metavar="N|auto")
+        elif base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         elif typing.get_origin(hint) is tuple:
             parser.add_argument(flag, action="append", default=argparse.SUPPRESS, metavar="STR",
                                 help="may be repeated")
         else:
             parser.add_argument(flag, type=base if base in (int, float) else str, default=argparse.SUPPRESS)
+
+
+def _int_or_auto(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 def _split(ns: argparse.Namespace, cls: type) -> dict:

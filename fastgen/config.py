@@ -16,11 +16,14 @@ import torch
 
 from .errors import InvalidRequestError
 
-# Measured on the 2-core AMX CPU this project targets (docs/architecture.md,
-# "Choosing the token budget"): forward time per token flattens out near 256 tokens
-# per step for SmolLM2-135M in bf16; larger steps only add latency to the decodes
-# that share them.
+# The budget used where it is not measured ("auto" is the default; fastgen.calibrate):
+# on the 2-core AMX CPU, forward time per token flattens out near 256 tokens per step for
+# SmolLM2-135M in bf16 (docs/architecture.md, "Choosing the token budget").
 DEFAULT_BUDGET_TOKENS = 256
+# budget_tokens="auto" picks the largest step that stays under this (fastgen.calibrate):
+# 100 ms per step = 10 tokens/s for every running stream, faster than people read and
+# 2.5x the paper's strictest per-token SLA of 4 tokens/s (docs/architecture.md).
+DEFAULT_TARGET_ITL_MS = 100.0
 DEFAULT_MAX_SEQS = 64
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
@@ -126,7 +129,8 @@ class EngineOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
-    budget_tokens: int = DEFAULT_BUDGET_TOKENS
+    budget_tokens: int | str = "auto"
+    target_itl_ms: float = DEFAULT_TARGET_ITL_MS
     max_seqs: int = DEFAULT_MAX_SEQS
     reserve_blocks: int | None = None
     max_model_len: int | None = None
@@ -135,9 +139,14 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         """Reject bad values when the options are built, before any model is loaded."""
-        for name in ("num_threads", "block_size", "num_blocks", "kv_cache_bytes", "budget_tokens",
-                     "max_seqs", "max_model_len"):
+        for name in ("num_threads", "block_size", "num_blocks", "kv_cache_bytes", "max_seqs", "max_model_len"):
             _positive(name, getattr(self, name))
+        if self.budget_tokens != "auto":
+            _positive("budget_tokens", self.budget_tokens)
+        if (not isinstance(self.target_itl_ms, (int, float)) or isinstance(self.target_itl_ms, bool)
+                or not self.target_itl_ms > 0):
+            raise InvalidRequestError(f"target_itl_ms must be a positive number, got {self.target_itl_ms!r}",
+                                      param="target_itl_ms")
         if self.reserve_blocks is not None and (not isinstance(self.reserve_blocks, int) or self.reserve_blocks < 0):
             raise InvalidRequestError("reserve_blocks must be an integer >= 0", param="reserve_blocks")
         if self.scheduler not in SCHEDULERS:
@@ -175,7 +184,8 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
     return EngineConfig(
         model_path=model_path, dtype=dtype, device=device, num_threads=num_threads,
         cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(budget_tokens=options.budget_tokens, max_seqs=options.max_seqs,
+        scheduler=SchedulerConfig(budget_tokens=DEFAULT_BUDGET_TOKENS if options.budget_tokens == "auto"
+                                  else options.budget_tokens, max_seqs=options.max_seqs,
                                   reserve_blocks=reserve, policy=options.scheduler),
         max_model_len=max_model_len, kernels=resolve_kernels(options.kernels, device, dtype),
     )

@@ -6,6 +6,7 @@ call ``step`` while ``has_unfinished()``, and collect finished requests with ``r
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -17,6 +18,7 @@ import torch
 
 from .batch import SeqInput, build_batch
 from .cache import BlockAllocator, KVPool
+from .calibrate import BudgetChoice, calibrate_budget
 from .config import EngineConfig, EngineOptions, resolve_engine_config
 from .errors import InvalidRequestError, PromptTooLongError
 from .model.llama import ModelConfig
@@ -72,6 +74,7 @@ class Engine:
         self._generator = torch.Generator().manual_seed(secrets.randbits(63))
         self._num_preemptions = 0
         self._last_step = (0, 0)
+        self.budget_choice: BudgetChoice | None = None   # set when budget_tokens="auto" was measured
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":
@@ -85,7 +88,19 @@ class Engine:
         torch.set_num_threads(config.num_threads)
         net = load_model(path, dtype=config.dtype, device=config.device,
                          max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels)
-        return cls(config, net, load_tokenizer(path), model_config)
+        budget = None
+        if opts.budget_tokens == "auto":
+            budget = calibrate_budget(
+                net, model_path=path, target_itl_ms=opts.target_itl_ms, kernels=config.kernels,
+                num_threads=config.num_threads, max_tokens=config.max_model_len,
+                num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim, vocab_size=model_config.vocab_size,
+                block_size=config.cache.block_size, dtype=config.dtype, device=config.device)
+            config = dataclasses.replace(
+                config, scheduler=dataclasses.replace(config.scheduler, budget_tokens=budget.budget_tokens))
+        engine = cls(config, net, load_tokenizer(path), model_config)
+        engine.budget_choice = budget
+        return engine
 
     # -- requests ---------------------------------------------------------------------
 

@@ -1,0 +1,151 @@
+"""``budget_tokens="auto"``: the token budget measured for this host and model.
+
+Dynamic SplitFuse fixes one token budget per forward pass. The paper picks it for one GPU,
+where a forward pass costs about the same from 1 to a few hundred tokens. On a CPU the
+step time grows almost linearly past a few dozen tokens, and every running decode waits
+for the whole step: the budget *is* the inter-token latency. So the budget is measured:
+
+1. the forward time of one fresh prompt chunk of ``n`` tokens is measured for a ladder of
+   ``n`` (:data:`LADDER`; a few seconds in all, each point the median of a few calls);
+2. the *efficiency floor* is the smallest ``n`` whose tokens/s reaches
+   :data:`EFFICIENT_FRACTION` of the best on the ladder: below it the products are too
+   thin to use the hardware and throughput collapses;
+3. the budget is the largest ``n`` whose step time stays under the target inter-token
+   latency (``target_itl_ms``), but never below the floor.
+
+The curve and the choice are cached per host (CPU flags, threads, torch), model file,
+dtype and kernels in fastgen's cache folder, so a warm start does not measure again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .batch import SeqInput, build_batch
+from .cache import KVPool
+from .config import DEFAULT_TARGET_ITL_MS, cache_dir  # noqa: F401 (the default's reason is given there)
+
+log = logging.getLogger(__name__)
+
+LADDER = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+EFFICIENT_FRACTION = 0.8
+NUM_REPEATS = 3
+MAX_MEASURE_S = 20.0
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    budget_tokens: int
+    target_itl_ms: float
+    efficient_floor_tokens: int
+    curve: tuple[tuple[int, float], ...]     # (tokens per step, ms per step)
+    cached: bool = False
+
+    def describe(self) -> str:
+        pts = ", ".join(f"{n}:{ms:.0f}ms" for n, ms in self.curve)
+        return (f"budget_tokens={self.budget_tokens} (target ITL {self.target_itl_ms:.0f} ms, efficiency floor "
+                f"{self.efficient_floor_tokens}; forward curve {pts}{'; cached' if self.cached else ''})")
+
+
+def choose_budget(curve: list[tuple[int, float]], target_itl_ms: float) -> tuple[int, int]:
+    """``(budget, floor)`` from ``curve`` = [(tokens per step, ms per step)] (see module doc)."""
+    if not curve:
+        raise ValueError("empty forward-time curve")
+    curve = sorted(curve)
+    rates = [n / ms for n, ms in curve]
+    best = max(rates)
+    floor = next(n for (n, _), r in zip(curve, rates) if r >= EFFICIENT_FRACTION * best)
+    within = [n for n, ms in curve if ms <= target_itl_ms]
+    budget = max([floor, *within])
+    return budget, floor
+
+
+def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: int, block_size: int,
+              device: torch.device) -> str:
+    h = hashlib.sha256()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            h.update(next((ln for ln in f if ln.startswith("flags")), "").encode())
+    except OSError:
+        h.update(platform.processor().encode())
+    st = os.stat(model_path) if os.path.isfile(model_path) else None
+    h.update(f"{model_path}|{st.st_size if st else 0}|{st.st_mtime_ns if st else 0}|{dtype}|{kernels}|"
+             f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}".encode())
+    return h.hexdigest()[:16]
+
+
+def measure_curve(model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+                  block_size: int, dtype: torch.dtype, device: torch.device, ladder: tuple[int, ...] = LADDER,
+                  max_tokens: int | None = None, progress: Callable[[int], None] | None = None,
+                  ) -> list[tuple[int, float]]:
+    """Median forward ms of one fresh chunk of ``n`` tokens, for each ``n`` of ``ladder``."""
+    sizes = [n for n in ladder if max_tokens is None or n <= max_tokens]
+    pool = KVPool(num_layers=num_layers, num_blocks=math.ceil(max(sizes) / block_size), block_size=block_size,
+                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)
+    curve = []
+    t_start = time.perf_counter()
+    for n in sizes:
+        ids = torch.randint(0, vocab_size, (n,), generator=gen).tolist()
+        batch = build_batch([SeqInput(ids, 0, list(range(math.ceil(n / block_size))), 1)], block_size, device)
+        times = []
+        for i in range(NUM_REPEATS + 1):
+            t0 = time.perf_counter()
+            model(batch, pool)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first call warms up
+                times.append(time.perf_counter() - t0)
+        curve.append((n, statistics.median(times) * 1e3))
+        if progress is not None:
+            progress(n)
+        if time.perf_counter() - t_start > MAX_MEASURE_S:
+            log.warning("budget calibration stopped at %d tokens after %.0f s", n, MAX_MEASURE_S)
+            break
+    return curve
+
+
+def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: float, kernels: str,
+                     num_threads: int, max_tokens: int, **shape) -> BudgetChoice:
+    """The budget for this host and model, measured once and cached (see module doc)."""
+    key = _host_key(model_path, shape["dtype"], kernels, num_threads, shape["block_size"], shape["device"])
+    path: Path = cache_dir() / "budget" / f"{key}.json"
+    curve: list[tuple[int, float]] | None = None
+    cached = False
+    try:
+        curve = [tuple(p) for p in json.loads(path.read_text())["curve"]]
+        cached = True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if curve is None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(LADDER), desc="calibrating token budget", unit="size", leave=False)
+        curve = measure_curve(model, progress=lambda n: bar.update(1), max_tokens=max_tokens, **shape)
+        bar.close()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"curve": curve}))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("could not cache the budget calibration (%s)", e)
+    budget, floor = choose_budget([(n, ms) for n, ms in curve if n <= max_tokens], target_itl_ms)
+    choice = BudgetChoice(budget, target_itl_ms, floor, tuple((int(n), float(ms)) for n, ms in curve), cached)
+    log.info("%s", choice.describe())
+    return choice
+
+
+def as_dict(choice: BudgetChoice) -> dict:
+    return asdict(choice)

@@ -1,0 +1,42 @@
+"""budget_tokens="auto": the choice rule on measured-looking curves, and the option's validation."""
+from __future__ import annotations
+
+import pytest
+
+from fastgen.calibrate import choose_budget
+from fastgen.config import EngineOptions
+from fastgen.errors import InvalidRequestError
+
+# (tokens per step, ms per step) as measured on two 2-core hosts (rounded)
+AMX_BF16 = [(16, 15), (32, 20), (64, 30), (128, 52), (192, 78), (256, 103), (384, 171), (512, 256)]
+VNNI_FP32 = [(16, 40), (32, 62), (64, 110), (128, 215), (192, 330), (256, 450), (384, 690), (512, 930)]
+
+
+def test_largest_budget_under_the_target():
+    assert choose_budget(AMX_BF16, 100) == (192, 64)
+    assert choose_budget(AMX_BF16, 260) == (512, 64)
+
+
+def test_never_below_the_efficiency_floor():
+    # no step meets 50 ms on the slow host: the budget stays at the floor, where throughput is
+    # already 80% of the best, instead of collapsing to 16 tokens
+    budget, floor = choose_budget(VNNI_FP32, 50)
+    assert budget == floor
+    rates = {n: n / ms for n, ms in VNNI_FP32}
+    assert rates[floor] >= 0.8 * max(rates.values())
+    smaller = [n for n in rates if n < floor]
+    assert all(rates[n] < 0.8 * max(rates.values()) for n in smaller)
+
+
+def test_unsorted_curve_and_empty_curve():
+    assert choose_budget(list(reversed(AMX_BF16)), 100) == (192, 64)
+    with pytest.raises(ValueError):
+        choose_budget([], 100)
+
+
+@pytest.mark.parametrize("bad", [dict(budget_tokens=0), dict(budget_tokens="fast"), dict(target_itl_ms=0),
+                                 dict(target_itl_ms="x"), dict(kernels="cuda")])
+def test_bad_options_name_the_parameter(bad):
+    with pytest.raises(InvalidRequestError) as e:
+        EngineOptions(**bad)
+    assert e.value.param == next(iter(bad))

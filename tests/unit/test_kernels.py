@@ -1,0 +1,157 @@
+"""fastgen's native CPU kernels against the PyTorch reference ops (no model).
+
+The kernels must build on the test machine (it has a C++ compiler); a build failure fails
+these tests rather than skipping them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastgen import kernels
+from fastgen.cache import KVPool
+from fastgen.kernels.ops import NativeOps, TorchOps
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    assert kernels.load(), "fastgen's native CPU kernels did not build"
+
+
+def _reference_attention(q, kp, vp, q_starts, start_pos, tables):
+    """Per sequence: gather its keys, causal mask from its start position, SDPA in fp32."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    kvh, d = kp.shape[2], kp.shape[3]
+    for s, sp in enumerate(start_pos):
+        q0, q1 = q_starts[s], q_starts[s + 1]
+        n = sp + q1 - q0
+        idx = torch.tensor(tables[s])
+        k = kp[idx].reshape(-1, kvh, d)[:n].float().transpose(0, 1)[None]
+        v = vp[idx].reshape(-1, kvh, d)[:n].float().transpose(0, 1)[None]
+        mask = torch.arange(n)[None, :] <= torch.arange(sp, sp + q1 - q0)[:, None]
+        o = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1)[None], k, v, attn_mask=mask,
+                                           enable_gqa=True, scale=d ** -0.5)
+        out[q0:q1] = o[0].transpose(0, 1)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
+    dtype = data.draw(st.sampled_from(DTYPES))
+    kvh = data.draw(st.sampled_from([1, 2, 3]))
+    group = data.draw(st.sampled_from([1, 3]))
+    d = data.draw(st.sampled_from([16, 64, 80]))          # 80: the generic (non-unrolled) head dim
+    bs = data.draw(st.sampled_from([4, 16, 32]))
+    specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), min_size=1, max_size=6))
+    need = [-(-(sp + nq) // bs) for sp, nq in specs]
+    num_blocks = sum(need) + 3
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    kp = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    vp = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, off = [], 0
+    for n in need:
+        tables.append(perm[off:off + n])
+        off += n
+    q_starts = [0]
+    for _, nq in specs:
+        q_starts.append(q_starts[-1] + nq)
+    q = torch.randn(q_starts[-1], kvh * group, d, generator=g).to(dtype)
+    width = max(need)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
+                                            torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
+                                            d ** -0.5)
+    want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_context_decode_is_split_and_merged_exactly(dtype):
+    """One sequence at 3,000 keys is split over the threads (flash-decoding); the merge of the
+    partial softmaxes must equal one pass."""
+    g = torch.Generator().manual_seed(0)
+    bs, kvh, d = 32, 3, 64
+    kp = torch.randn(100, bs, kvh, d, generator=g).to(dtype)
+    vp = torch.randn(100, bs, kvh, d, generator=g).to(dtype)
+    table = torch.randperm(100, generator=g)[:94].tolist()
+    q = torch.randn(1, 9, d, generator=g).to(dtype)
+    got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor([0, 1], dtype=torch.int32),
+                                            torch.tensor([2999], dtype=torch.int32),
+                                            torch.tensor([table], dtype=torch.int32), d ** -0.5)
+    want = _reference_attention(q, kp, vp, [0, 1], [2999], [table])
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(96, 64), (50, 72), (7, 33)])   # remainders of every vector loop
+def test_gemv_matches_linear(dtype, rows, shape):
+    g = torch.Generator().manual_seed(rows)
+    n, k = shape
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    want = F.linear(x.float(), w.float(), b.float())
+    got = torch.ops.fastgen.gemv(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    torch.testing.assert_close(torch.ops.fastgen.gemv(x, w, None).float(), want - b.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_small_ops_equal_the_torch_ops(dtype):
+    g = torch.Generator().manual_seed(3)
+    native, ref = NativeOps(), TorchOps()
+    x = torch.randn(5, 48, generator=g).to(dtype)
+    w = torch.randn(48, generator=g).to(dtype)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), **TOL[dtype])
+
+    res_a, res_b = torch.randn(5, 48, generator=g).to(dtype), None
+    res_b = res_a.clone()
+    xa, xb = x.clone(), x.clone()
+    native.add_rms_norm_(xa, res_a, w, 1e-5)
+    ref.add_rms_norm_(xb, res_b, w, 1e-5)
+    torch.testing.assert_close(res_a, res_b, atol=0, rtol=0)          # the residual sum is exact
+    torch.testing.assert_close(xa, xb, **TOL[dtype])
+
+    gu = torch.randn(5, 2 * 40, generator=g).to(dtype)
+    torch.testing.assert_close(native.silu_mul(gu), ref.silu_mul(gu), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_kv_write_equal_the_torch_ops(dtype):
+    g = torch.Generator().manual_seed(4)
+    h, kvh, d, bs = 6, 2, 16, 4
+    pools = [KVPool(num_layers=1, num_blocks=8, block_size=bs, num_kv_heads=kvh, head_dim=d, dtype=dtype,
+                    device=torch.device("cpu")) for _ in range(2)]
+    pos = torch.tensor([3, 9, 10, 11, 0])
+    slots = torch.tensor([13, 21, 24, 25, 2])
+    qkv = torch.randn(5, (h + 2 * kvh) * d, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([torch.outer(torch.arange(32).float(), inv)] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    got = NativeOps().rope_write_kv(qkv, pos, cos, sin, slots, pools[0], 0, h, kvh, d)
+    want = TorchOps().rope_write_kv(qkv, pos, cos, sin, slots, pools[1], 0, h, kvh, d)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+    torch.testing.assert_close(pools[0].keys[0], pools[1].keys[0], **TOL[dtype])
+    torch.testing.assert_close(pools[0].values[0], pools[1].values[0], atol=0, rtol=0)
+
+
+def test_bad_inputs_are_rejected_with_a_message():
+    q = torch.randn(2, 4, 8)
+    kp = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="q_starts"):
+        torch.ops.fastgen.paged_attention(q, kp, kp, torch.tensor([0, 2], dtype=torch.int32),
+                                          torch.tensor([0, 0], dtype=torch.int32),
+                                          torch.zeros(2, 1, dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="gemv"):
+        torch.ops.fastgen.gemv(torch.randn(1, 8), torch.randn(4, 9), None)
