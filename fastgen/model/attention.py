@@ -2,17 +2,17 @@
 
 A backend gets the step's :class:`~fastgen.batch.RaggedBatch` once (``plan``), builds the
 metadata it needs, and is then called per layer with the rotated q, k, v of every token
-(k and v already stored in the pool). Both backends attend a chunk that starts at
-position 0 over its fresh keys (causal SDPA, CPU flash path).
+(k and v already stored in the pool).
 
 - :class:`SdpaAttention` (any device): decodes in padded, masked SDPA calls, one per group
-  of similar context length; a continuing chunk gathers its blocks out of the pool and
-  attends them with a mask.
-- :class:`PagedAttention` (CPU, native kernels): all decodes in one call of
-  ``torch.ops.fastgen.paged_attention``, which reads the pool in place (no gather, no
-  mask, no padding); continuing chunks as in the SDPA backend, which is faster for many
-  queries (measured: 256 queries x 2k keys, one layer, bf16: kernel 31.7 ms, gather + SDPA
-  9.1 ms; 32 decodes x 4k keys: kernel 25 ms, gather + SDPA 93 ms).
+  of similar context length; a chunk from position 0 attends its fresh keys (causal SDPA);
+  a continuing chunk gathers its blocks out of the pool and attends them with a mask.
+- :class:`PagedAttention` (CPU, native kernels): every sequence of the step, decodes and
+  chunks, in one call of ``torch.ops.fastgen.paged_attention``, which reads the pool in
+  place (no gather, no mask, no padding). Measured on the 2-core Zen 5 host, one layer of
+  SmolLM2 (9 heads, 3 KV heads, head dim 64), bf16: 32 decodes x 4k keys 5.6 ms against
+  90 ms for gather + SDPA; a 256-query chunk at position 1,792 6.1 ms (187 GFLOP/s) against
+  7.0 ms; a fresh 256-token chunk 0.51 ms against SDPA's causal flash path 0.93 ms.
 """
 from __future__ import annotations
 
@@ -55,11 +55,9 @@ class SdpaPlan:
 
 @dataclass(frozen=True)
 class PagedPlan:
-    num_decodes: int
-    q_starts: torch.Tensor           # [num_decodes + 1] int32
-    start_pos: torch.Tensor          # [num_decodes] int32
-    block_tables: torch.Tensor       # [num_decodes, max_blocks] int32 (padded with 0)
-    chunks: tuple[ChunkPlan, ...]
+    q_starts: torch.Tensor           # [S + 1] int32
+    start_pos: torch.Tensor          # [S] int32
+    block_tables: torch.Tensor       # [S, max_blocks] int32 (padded with 0)
 
 
 class AttentionBackend(Protocol):
@@ -173,6 +171,8 @@ class SdpaAttention:
 
 
 class PagedAttention:
+    """Every sequence of the step, decodes and chunks, in one kernel call per layer."""
+
     name = "paged"
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -180,26 +180,13 @@ class PagedAttention:
         self._kernel = torch.ops.fastgen.paged_attention
 
     def plan(self, batch: RaggedBatch) -> PagedPlan:
-        nd = batch.num_decodes
-        tables = batch.block_tables[:nd]
-        width = max((len(b) for b in tables), default=1)
-        ints = torch.tensor([*batch.q_starts[:nd + 1], *batch.start_pos[:nd],
-                             *(x for b in tables for x in (*b, *[0] * (width - len(b))))], dtype=torch.int32)
-        ints = ints.to(self.device)
-        return PagedPlan(nd, ints[:nd + 1], ints[nd + 1:2 * nd + 1], ints[2 * nd + 1:].view(nd, width),
-                         _chunk_plans(batch, self.dtype, self.device))
+        ns = batch.num_seqs
+        width = max(len(b) for b in batch.block_tables)
+        ints = torch.tensor([*batch.q_starts, *batch.start_pos,
+                             *(x for b in batch.block_tables for x in (*b, *[0] * (width - len(b))))],
+                            dtype=torch.int32).to(self.device)
+        return PagedPlan(ints[:ns + 1], ints[ns + 1:2 * ns + 1], ints[2 * ns + 1:].view(ns, width))
 
     def __call__(self, layer, q, k, v, plan: PagedPlan, pool, scale):
-        gqa = q.shape[1] != k.shape[1]
-        nd = plan.num_decodes
-        if not nd and len(plan.chunks) == 1:
-            return _attend_chunk(layer, q, k, v, plan.chunks[0], pool, scale, gqa)
-        if not plan.chunks:
-            return self._kernel(q.contiguous(), pool.keys[layer], pool.values[layer], plan.q_starts,
-                                plan.start_pos, plan.block_tables, scale)
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._kernel(q[:nd].contiguous(), pool.keys[layer], pool.values[layer], plan.q_starts,
-                                    plan.start_pos, plan.block_tables, scale)
-        _attend_chunks(out, layer, q, k, v, plan.chunks, pool, scale, gqa)
-        return out
+        return self._kernel(q.contiguous(), pool.keys[layer], pool.values[layer], plan.q_starts,
+                            plan.start_pos, plan.block_tables, scale)

@@ -155,3 +155,24 @@ def test_bad_inputs_are_rejected_with_a_message():
                                           torch.zeros(2, 1, dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="gemv"):
         torch.ops.fastgen.gemv(torch.randn(1, 8), torch.randn(4, 9), None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_register_blocked_chunk_path(dtype, d):
+    """bs = 32 and a head dim that is a multiple of 64 take the four-rows-at-a-time path; 41
+    queries x 3 heads leave remainder rows for the one-row path."""
+    g = torch.Generator().manual_seed(d)
+    bs, kvh = 32, 2
+    kp = torch.randn(20, bs, kvh, d, generator=g).to(dtype)
+    vp = torch.randn(20, bs, kvh, d, generator=g).to(dtype)
+    tables = [torch.randperm(20, generator=g)[:9].tolist(), torch.randperm(20, generator=g)[:2].tolist()]
+    specs = [(230, 41), (0, 35)]                    # a continuing chunk and a fresh one
+    q_starts = [0, 41, 76]
+    q = torch.randn(76, kvh * 3, d, generator=g).to(dtype)
+    bt = torch.tensor([t + [0] * (9 - len(t)) for t in tables], dtype=torch.int32)
+    got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
+                                            torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
+                                            d ** -0.5)
+    want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
