@@ -47,7 +47,7 @@ from ..batch import RaggedBatch, SeqInput, build_batch
 from ..cache import KVPool
 from ..config import DEFAULT_BUDGET_TOKENS
 from ..engine import Engine
-from ..model.layers import ColumnLinear, RowLinear
+from ..model.layers import Linear
 from ..request import FinishReason, SamplingParams
 from ..sampling import SamplingRow, sample
 
@@ -180,17 +180,16 @@ class ModelCosts:
 
 def model_costs(engine: Engine) -> ModelCosts:
     mc = engine.model_config
-    elem_bytes = torch.empty((), dtype=engine.config.dtype).element_size()
+    head = engine.model.head
     linear_params = linear_bytes = 0
-    for name, module in engine.model.named_modules():
-        if not isinstance(module, (ColumnLinear, RowLinear, nn.Linear)) or name == "lm_head":
+    for module in engine.model.modules():
+        if not isinstance(module, Linear) or module is head:
             continue
-        linear_params += module.weight.numel()
-        linear_bytes += sum(p.numel() * p.element_size() for p in module.parameters())
-    head_params = mc.vocab_size * mc.hidden_size
-    return ModelCosts(num_linear_params=linear_params, num_head_params=head_params,
+        linear_params += module.num_params
+        linear_bytes += module.stream_bytes
+    return ModelCosts(num_linear_params=linear_params, num_head_params=head.num_params,
                       num_attention_dims=mc.num_layers * mc.num_heads * mc.head_dim,
-                      weight_bytes=linear_bytes + head_params * elem_bytes)
+                      weight_bytes=linear_bytes + head.stream_bytes)
 
 
 # -- 1. machine limits ------------------------------------------------------------------

@@ -27,7 +27,12 @@ class WeightFormat(Protocol):
         """``x @ W.T (+ b)`` for x ``[T, in]`` -> ``[T, out]``."""
 
     @property
-    def num_bytes(self) -> int: ...
+    def num_bytes(self) -> int:
+        """Memory the format holds."""
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes read from memory for a one-row product (a decode step's share)."""
 
 
 class DenseWeight:
@@ -44,6 +49,10 @@ class DenseWeight:
     @property
     def num_bytes(self) -> int:
         return _nbytes(self.weight) + _nbytes(self.bias)
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.num_bytes
 
 
 class PackedWeight:
@@ -71,6 +80,10 @@ class PackedWeight:
     @property
     def num_bytes(self) -> int:
         return self._bytes + _nbytes(self.bias)
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.num_bytes
 
 
 class GemvDenseWeight(DenseWeight):
@@ -104,6 +117,10 @@ class GemvDenseWeight(DenseWeight):
     def num_bytes(self) -> int:
         return super().num_bytes + (self._packed.num_bytes if self._packed is not None else 0)
 
+    @property
+    def stream_bytes(self) -> int:  # one row goes through the GEMV on the plain weight
+        return _nbytes(self.weight) + _nbytes(self.bias)
+
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
@@ -127,6 +144,24 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.format: WeightFormat | None = None
+        self.in_features, self.out_features = in_features, out_features
+
+    @property
+    def num_params(self) -> int:
+        return self.in_features * self.out_features
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes a one-row product reads (the format's, once prepared)."""
+        if self.format is not None:
+            return self.format.stream_bytes
+        return _nbytes(self.weight) + _nbytes(self.bias)
+
+    @property
+    def resident_bytes(self) -> int:
+        if self.format is not None:
+            return self.format.num_bytes
+        return _nbytes(self.weight) + _nbytes(self.bias)
 
     def prepare(self, make_format=default_format) -> None:
         """Hand the loaded weight to its format (after loading and moving to the device)."""
