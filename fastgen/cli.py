@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     # `fastgen bench ...` is handed to fastgen.bench whole (see main); listed here for --help
     sub.add_parser("bench", add_help=False,
                    help="the serving benchmark (paper methodology); `fastgen bench --help` for its options")
+    sub.add_parser("eval-ppl", add_help=False,
+                   help="perplexity and greedy agreement of each precision mode; `fastgen eval-ppl --help`")
     return parser
 
 
@@ -135,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import cli_main
 
         return cli_main(args[1:])
+    if args[:1] == ["eval-ppl"]:
+        from .evaluate import main as eval_main
+
+        return eval_main(args[1:])
     ns = build_parser().parse_args(args)
     try:
         return ns.func(ns)

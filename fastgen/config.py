@@ -30,6 +30,7 @@ DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 SCHEDULERS = ("splitfuse", "prefill-first", "static")
 KERNELS = ("auto", "native", "torch")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     max_model_len: int
     kernels: str = "torch"   # "native" (fastgen's CPU kernels) or "torch"
+    quantization: str = "none"   # "auto" (a GGUF as shipped), "none", "int8", "int4"
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -136,6 +138,7 @@ class EngineOptions:
     max_model_len: int | None = None
     scheduler: str = "splitfuse"
     kernels: str = "auto"
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         """Reject bad values when the options are built, before any model is loaded."""
@@ -152,6 +155,9 @@ class EngineOptions:
         if self.scheduler not in SCHEDULERS:
             raise InvalidRequestError(
                 f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}", param="scheduler")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+                                      param="quantization")
         if self.kernels not in KERNELS:
             raise InvalidRequestError(f"kernels must be one of {KERNELS}, got {self.kernels!r}", param="kernels")
         if self.dtype not in ("auto", *_DTYPES) and not isinstance(self.dtype, torch.dtype):
@@ -181,14 +187,27 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
     max_model_len = min(options.max_model_len or model_max_len, model_max_len)
     reserve = options.reserve_blocks if options.reserve_blocks is not None \
         else min(num_blocks // 16, options.max_seqs)
+    kernels = resolve_kernels(options.kernels, device, dtype)
     return EngineConfig(
         model_path=model_path, dtype=dtype, device=device, num_threads=num_threads,
         cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(budget_tokens=DEFAULT_BUDGET_TOKENS if options.budget_tokens == "auto"
                                   else options.budget_tokens, max_seqs=options.max_seqs,
                                   reserve_blocks=reserve, policy=options.scheduler),
-        max_model_len=max_model_len, kernels=resolve_kernels(options.kernels, device, dtype),
+        max_model_len=max_model_len, kernels=kernels,
+        quantization=resolve_quantization(options.quantization, kernels),
     )
+
+
+def resolve_quantization(quantization: str, kernels: str) -> str:
+    """Quantized weights run on the native kernels: without them "auto" is "none" and
+    "int8"/"int4" are an error."""
+    if kernels == "native":
+        return quantization
+    if quantization in ("int8", "int4"):
+        raise InvalidRequestError(f"quantization={quantization!r} needs fastgen's native CPU kernels "
+                                  f"(kernels='native' on a CPU in fp32/bf16)", param="quantization")
+    return "none"
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:

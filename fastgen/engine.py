@@ -87,7 +87,8 @@ class Engine:
                                        model_max_len=model_config.max_position_embeddings)
         torch.set_num_threads(config.num_threads)
         net = load_model(path, dtype=config.dtype, device=config.device,
-                         max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels)
+                         max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels,
+                         quantization=config.quantization)
         budget = None
         if opts.budget_tokens == "auto":
             budget = calibrate_budget(

@@ -145,6 +145,20 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.format: WeightFormat | None = None
         self.in_features, self.out_features = in_features, out_features
+        self.quant_parts: dict[int, object] = {}   # part -> fastgen.model.quant.QuantRows
+
+    @property
+    def num_parts(self) -> int:
+        return 1
+
+    def quant_rows(self):
+        """The whole weight's QuantRows when every part was loaded quantized, else None."""
+        if len(self.quant_parts) != self.num_parts:
+            return None
+        from .quant import QuantRows
+
+        parts = [self.quant_parts[i] for i in range(self.num_parts)]
+        return parts[0] if len(parts) == 1 else QuantRows.cat(parts)
 
     @property
     def num_params(self) -> int:
@@ -182,6 +196,10 @@ class ColumnLinear(Linear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = list(output_sizes)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.output_sizes)
 
     def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor ``name`` ("weight"/"bias") into output part ``part``."""

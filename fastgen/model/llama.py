@@ -22,6 +22,7 @@ from ..errors import ModelLoadError
 from ..kernels.ops import NativeOps, Ops, TorchOps, native_supported
 from .attention import AttentionBackend, PagedAttention, SdpaAttention
 from .layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
+from .quant import QuantGemvWeight, QuantRows
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,11 @@ class DecoderLayer(nn.Module):
         return m
 
 
+def _slice_rows(rows: QuantRows, start: int, stop: int) -> QuantRows:
+    return QuantRows(rows.kind, rows.qweight[start:stop], rows.scales[start:stop],
+                     None if rows.mins is None else rows.mins[start:stop])
+
+
 # HF checkpoint name fragment -> (fused module attribute, part index)
 STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -174,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         inv_freq, scaling = rope_parameters(hf_config)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions)
         self.head: Linear | None = None  # output projection; set by prepare()
+        self._embed_quant = None         # the tied embedding's QuantRows (GGUF), for the head
         self.ops: Ops = TorchOps()
         self.attention: AttentionBackend | None = None
 
@@ -181,19 +188,25 @@ class LlamaForCausalLM(nn.Module):
         """After loading and moving: give every linear layer its weight format, pick the
         output projection, and the small-op and attention implementations (``kernels``:
         "native" = fastgen's CPU kernels, already loaded; "torch" = plain PyTorch)."""
-        def make_format(weight, bias):
-            return default_format(weight, bias, kernels)
+        def formatter(layer: Linear):
+            quant = layer.quant_rows() if kernels == "native" else None
 
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.prepare(make_format)
+            def make_format(weight, bias):
+                dense = default_format(weight, bias, kernels)
+                return dense if quant is None else QuantGemvWeight(quant, dense)
+            return make_format
+
         if self.lm_head is not None:
             self.head = self.lm_head
         else:  # tied: the output projection gets its own format; the embedding gather keeps the plain one
             emb = self.embed_tokens.weight
             self.head = RowLinear(emb.shape[1], emb.shape[0], bias=False).to(emb.device)
             self.head.weight = nn.Parameter(emb.data, requires_grad=False)
-            self.head.prepare(make_format)
+            if self._embed_quant is not None:
+                self.head.quant_parts[0] = self._embed_quant
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepare(formatter(m))
         dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
         if kernels == "native":
             if not native_supported(device, dtype):
@@ -216,6 +229,51 @@ class LlamaForCausalLM(nn.Module):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x = layer(x, residual, nxt, step)                      # x = nxt(residual)
         return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
+
+    def attach_quantized(self, quant: dict) -> None:
+        """Hand HF-named :class:`~fastgen.model.quant.QuantRows` to their layers (and parts)."""
+        for name, rows in quant.items():
+            name = name.removeprefix("model.")
+            if name == "embed_tokens.weight":
+                self._embed_quant = rows
+                continue
+            fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
+            part = 0
+            if fused is not None:
+                frag, target, part = fused
+                name = name.replace(frag, target)
+            module_name, _, kind = name.rpartition(".")
+            if kind != "weight":
+                continue
+            module = self.get_submodule(module_name)
+            if isinstance(module, Linear):
+                module.quant_parts[part] = rows
+
+    def quantize_linear(self, bits: int, quantize) -> dict:
+        """Quantize every linear weight and the output head at load (HF checkpoints); the
+        loaded weights are replaced by their dequantized values so that prompt chunks and
+        decodes compute the same model. Returns HF-named QuantRows for attach_quantized."""
+        out = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            rows = quantize(module.weight.data, bits)
+            with torch.no_grad():
+                module.weight.copy_(rows.dequantize().to(module.weight.dtype))
+            module.quant_parts = {}
+            if isinstance(module, ColumnLinear):
+                start = 0
+                for i, size in enumerate(module.output_sizes):
+                    module.quant_parts[i] = _slice_rows(rows, start, start + size)
+                    start += size
+            else:
+                module.quant_parts[0] = rows
+        if self.lm_head is None:
+            emb = self.embed_tokens.weight
+            self._embed_quant = quantize(emb.data, bits)
+            with torch.no_grad():
+                emb.copy_(self._embed_quant.dequantize().to(emb.dtype))
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""

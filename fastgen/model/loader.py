@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from ..config import cache_dir
 from ..errors import ModelLoadError
 from .llama import ModelConfig
+from .quant import GGUF_QUANT_TYPES, QuantRows, from_gguf, quantize
 from .registry import model_class
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(path: str, cfg: ModelConfig, quant_out: dict[str, QuantRows] | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named fp32 tensors of a GGUF file (dequantized). With ``quant_out``, tensors of the
+    types in :data:`~fastgen.model.quant.GGUF_QUANT_TYPES` are also kept as shipped there."""
     import gguf
 
     try:
@@ -173,8 +177,13 @@ def iter_gguf_tensors(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.
                 raise ModelLoadError(f"GGUF tensor {t.name} has no Llama-family counterpart")
             name = f"{_GGUF_TOP_NAMES[base]}.{kind}"
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        if arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k"):
-            w = _unpermute(w, cfg.num_heads if m.group(2) == "attn_q" else cfg.num_kv_heads)
+        permute = arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k")
+        heads = cfg.num_heads if m and m.group(2) == "attn_q" else cfg.num_kv_heads
+        if permute:
+            w = _unpermute(w, heads)
+        if quant_out is not None and qtype in GGUF_QUANT_TYPES and w.ndim == 2:
+            raw = np.asarray(t.data).reshape(w.shape[0], -1)
+            quant_out[name] = from_gguf(qtype, _unpermute(raw, heads) if permute else raw)
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
@@ -196,17 +205,32 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_positions: int,
-               hf_config: Any | None = None, kernels: str = "torch") -> torch.nn.Module:
+               hf_config: Any | None = None, kernels: str = "torch", quantization: str = "none",
+               ) -> torch.nn.Module:
     """Instantiate the registered class for the config and fill it from the checkpoint.
-    ``kernels``: "torch" or "native" (resolved by ``fastgen.config.resolve_kernels``)."""
+
+    ``kernels``: "torch" or "native" (resolved by ``fastgen.config.resolve_kernels``).
+    ``quantization`` (native kernels only; see fastgen.model.quant): "auto" keeps a GGUF's
+    Q4_0/Q4_1/Q8_0 tensors as shipped and leaves HF checkpoints dense; "int8"/"int4"
+    quantize every linear weight (and the output head) per group of 32 at load, the dense
+    copy then holding the dequantized values so that every path computes the same model;
+    "none" dequantizes as before."""
     hf_config = hf_config or load_hf_config(path)
     cls = model_class(hf_config.model_type)
     cfg = ModelConfig.from_hf(hf_config)
     model = cls(cfg, hf_config, max_positions)
     for p in model.parameters():  # the RoPE tables (buffers) stay fp32, as in the reference
         p.data = p.data.to(dtype)
-    weights = iter_gguf_tensors(path, cfg) if path.endswith(".gguf") else iter_safetensors(path)
+    quant: dict[str, QuantRows] = {}
+    keep = quantization == "auto" and kernels == "native"
+    weights = iter_gguf_tensors(path, cfg, quant if keep else None) if path.endswith(".gguf") \
+        else iter_safetensors(path)
     model.load_weights((name, w.to(dtype)) for name, w in weights)
     model = model.to(device).eval()
+    if quantization in ("int8", "int4"):
+        if kernels != "native":
+            raise ModelLoadError(f"quantization={quantization!r} needs fastgen's native CPU kernels")
+        quant = model.quantize_linear(8 if quantization == "int8" else 4, quantize)
+    model.attach_quantized(quant)
     model.prepare(kernels)
     return model

@@ -1,0 +1,136 @@
+"""Quality of a precision mode: perplexity on shipped public-domain text, greedy agreement.
+
+    fastgen eval-ppl                           # every mode of the default model, one table
+    fastgen eval-ppl --modes float32:none bfloat16:auto --tokens 1024
+
+Perplexity is teacher-forced over the last ``tokens`` tokens of the shipped Shakespeare
+text (fastgen/bench/data; the benchmark cuts its prompts from the whole file, so this is
+"held out" only from training, not from the benchmark), in windows of ``window`` tokens.
+It is computed on the *decode path*: one token per forward pass, so each product goes
+through the kernel a decode step uses (the quantized GEMV where the mode has one); a
+prompt-chunk pass would only see the dense copy. Greedy agreement: for each of a fixed set
+of prompts, how many of the first ``max_new_tokens`` greedy tokens equal the fp32
+reference's before the first divergence.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from .batch import SeqInput, build_batch
+from .cache import KVPool
+
+PROMPTS = (
+    "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
+    "To be, or not to be,", "import numpy as np\n", "Water boils at", "The quick brown fox",
+)
+DEFAULT_MODES = ("float32:none", "float32:auto", "bfloat16:none", "bfloat16:auto", "bfloat16:int8",
+                 "bfloat16:int4")
+
+
+@dataclass(frozen=True)
+class Quality:
+    mode: str
+    perplexity: float
+    num_tokens: int
+    agreement: tuple[int, ...]        # greedy tokens equal to the reference's, per prompt
+    max_new_tokens: int
+    resident_weight_bytes: int
+    seconds: float
+
+
+def heldout_tokens(tokenizer, num_tokens: int) -> list[int]:
+    text = resources.files("fastgen.bench").joinpath("data/shakespeare.txt").read_text(encoding="utf-8")
+    ids = tokenizer(text[-num_tokens * 8:], add_special_tokens=False)["input_ids"]
+    return list(ids[-num_tokens:])
+
+
+@torch.inference_mode()
+def decode_perplexity(engine, token_ids: list[int], window: int = 256) -> float:
+    """exp(mean NLL) of ``token_ids`` fed one token per forward pass, in windows of ``window``
+    (each window starts a fresh sequence)."""
+    model, mc, cfg = engine.model, engine.model_config, engine.config
+    bs = cfg.cache.block_size
+    pool = KVPool(num_layers=mc.num_layers, num_blocks=math.ceil(window / bs), block_size=bs,
+                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=cfg.dtype, device=cfg.device)
+    blocks = list(range(pool.num_blocks))
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start:start + window + 1]
+        for pos in range(len(chunk) - 1):
+            batch = build_batch([SeqInput([chunk[pos]], pos, blocks, 1)], bs, cfg.device)
+            logits = model(batch, pool)[0]
+            nll -= torch.log_softmax(logits, dim=-1)[chunk[pos + 1]].item()
+            count += 1
+    return math.exp(nll / count)
+
+
+def greedy_tokens(pipe, max_new_tokens: int) -> list[tuple[int, ...]]:
+    out = pipe(list(PROMPTS), max_new_tokens=max_new_tokens, do_sample=False, ignore_eos=True)
+    return [r.token_ids for r in out]
+
+
+def agreement(got: list[tuple[int, ...]], want: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Per prompt: tokens equal to the reference's before the first divergence."""
+    counts = []
+    for g, w in zip(got, want):
+        n = 0
+        while n < min(len(g), len(w)) and g[n] == w[n]:
+            n += 1
+        counts.append(n)
+    return tuple(counts)
+
+
+def evaluate(model: str | None, modes: tuple[str, ...], num_tokens: int, max_new_tokens: int,
+             window: int = 256, **engine_options) -> list[Quality]:
+    from .pipeline import pipeline
+
+    results = []
+    reference: list[tuple[int, ...]] | None = None
+    for mode in ("float32:none", *[m for m in modes if m != "float32:none"]):
+        dtype, quantization = mode.split(":")
+        t0 = time.perf_counter()
+        pipe = pipeline(model, dtype=dtype, quantization=quantization, budget_tokens=256, **engine_options)
+        engine = pipe.engine
+        ppl = decode_perplexity(engine, heldout_tokens(engine.tokenizer, num_tokens), window)
+        toks = greedy_tokens(pipe, max_new_tokens)
+        if reference is None:
+            reference = toks
+        resident = sum(m.resident_bytes for m in engine.model.modules() if hasattr(m, "resident_bytes"))
+        if mode in modes or mode == "float32:none":
+            results.append(Quality(mode, ppl, num_tokens, agreement(toks, reference), max_new_tokens, resident,
+                                   time.perf_counter() - t0))
+        del pipe, engine
+    return results
+
+
+def format_table(results: list[Quality]) -> str:
+    ref = results[0].perplexity
+    lines = ["| mode (dtype:quantization) | perplexity | vs fp32 reference | greedy tokens equal to the reference "
+             "(per prompt) | linear weights resident |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        agree = ", ".join(str(a) for a in r.agreement)
+        full = sum(a == r.max_new_tokens for a in r.agreement)
+        lines.append(f"| {r.mode} | {r.perplexity:.3f} | {100 * (r.perplexity / ref - 1):+.2f}% | {agree} "
+                     f"({full}/{len(r.agreement)} identical for {r.max_new_tokens}) | "
+                     f"{r.resident_weight_bytes / 1e6:.0f} MB |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fastgen eval-ppl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="DTYPE:QUANTIZATION")
+    ap.add_argument("--tokens", type=int, default=1024, help="held-out tokens for perplexity (default 1024)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    ns = ap.parse_args(argv)
+    results = evaluate(ns.model, tuple(ns.modes), ns.tokens, ns.max_new_tokens)
+    print(format_table(results))
+    return 0

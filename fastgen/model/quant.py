@@ -1,0 +1,149 @@
+"""Quantized weights: GGUF's Q4_0 / Q4_1 / Q8_0 kept as shipped, and int8 / int4 for HF checkpoints.
+
+All of them are *groups of 32 weights along the input dimension*, each with a scale (and,
+for 4-bit, a minimum): Q4_1 is exactly ``w = q * scale + min`` with ``q`` in 0..15, Q4_0 is
+the same with ``min = -8 * scale``, Q8_0 is ``w = q * scale`` with ``q`` in -127..127. So
+one layout (:class:`QuantRows`) and one kernel (``torch.ops.fastgen.qgemv``) serve the
+GGUF files as shipped and the int8 / int4 modes of HF checkpoints alike.
+
+:class:`QuantGemvWeight` is the weight format: a decode step (up to ``MAX_QGEMV_ROWS`` rows)
+streams the quantized rows (4.5 to 8.5 bits a weight instead of bf16's 16; products summed
+in fp32 from the exact quantized values); more rows (prompt chunks) go through a dense
+copy in the engine dtype, as before, since on this CPU no kernel of PyTorch's multiplies
+4-bit weights by many rows faster than oneDNN's bf16 (see docs/architecture.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """``rows`` weight rows quantized in groups of 32 along the input dimension ``k``.
+
+    kind 4: ``qweight [rows, k/2]`` uint8, per group the low nibbles of its 16 bytes are
+    weights 0..15 and the high nibbles 16..31 (GGUF's order); ``w = q * scale + min``.
+    kind 8: ``qweight [rows, k]`` int8 stored as uint8; ``w = q * scale``; ``mins`` is None.
+    """
+
+    kind: int
+    qweight: torch.Tensor
+    scales: torch.Tensor            # [rows, k/32] fp32
+    mins: torch.Tensor | None       # [rows, k/32] fp32 (kind 4)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[rows, k]``: the exact values the quantized kernel multiplies by."""
+        rows = self.qweight.shape[0]
+        if self.kind == 8:
+            q = self.qweight.view(torch.int8).float().view(rows, -1, GROUP)
+            return (q * self.scales[..., None]).reshape(rows, -1)
+        b = self.qweight.view(rows, -1, GROUP // 2)
+        q = torch.cat([b & 0xF, b >> 4], dim=-1).float()                # [rows, groups, 32]
+        return (q * self.scales[..., None] + self.mins[..., None]).reshape(rows, -1)
+
+    @staticmethod
+    def cat(parts: list["QuantRows"]) -> "QuantRows":
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse quantized parts of different kinds {sorted(kinds)}")
+        return QuantRows(parts[0].kind, torch.cat([p.qweight for p in parts]).contiguous(),
+                         torch.cat([p.scales for p in parts]).contiguous(),
+                         None if parts[0].mins is None else torch.cat([p.mins for p in parts]).contiguous())
+
+
+def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
+    """GGUF blocks ``raw [rows, bytes]`` (uint8) of type Q4_0 / Q4_1 / Q8_0 as :class:`QuantRows`."""
+    rows = raw.shape[0]
+    if qtype == "Q8_0":
+        blk = raw.reshape(rows, -1, 34)
+        scales = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = np.ascontiguousarray(blk[..., 2:]).reshape(rows, -1)
+        return QuantRows(8, torch.from_numpy(q.copy()), torch.from_numpy(scales), None)
+    if qtype == "Q4_1":
+        blk = raw.reshape(rows, -1, 20)
+        scales = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        mins = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blk[..., 4:]
+    elif qtype == "Q4_0":
+        blk = raw.reshape(rows, -1, 18)
+        scales = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        mins = -8.0 * scales
+        qs = blk[..., 2:]
+    else:
+        raise ValueError(f"GGUF type {qtype} is not kept quantized; kept: {GGUF_QUANT_TYPES}")
+    q = np.ascontiguousarray(qs).reshape(rows, -1)
+    return QuantRows(4, torch.from_numpy(q.copy()), torch.from_numpy(scales), torch.from_numpy(mins))
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantRows:
+    """Quantize ``weight [rows, k]`` (k a multiple of 32) per group of 32: int8 symmetric
+    (Q8_0's scheme) or int4 asymmetric (Q4_1's scheme), scales in fp32."""
+    w = weight.detach().float().cpu()
+    rows, k = w.shape
+    g = w.view(rows, k // GROUP, GROUP)
+    if bits == 8:
+        scales = g.abs().amax(-1) / 127.0
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return QuantRows(8, q.view(rows, k).view(torch.uint8).contiguous(), scales.contiguous(), None)
+    if bits == 4:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = (hi - lo) / 15.0
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
+        packed = (q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)).reshape(rows, k // 2).contiguous()
+        return QuantRows(4, packed, scales.contiguous(), lo.contiguous())
+    raise ValueError(f"bits must be 8 or 4, got {bits}")
+
+
+class QuantGemvWeight:
+    """Quantized rows for decode steps, a dense copy (in the engine's best dense format) for
+    prompt chunks. See the module docstring.
+
+    Measured on the 2-core Zen 5 host (AVX512-BF16), SmolLM2's 120 layer weights as Q4_1,
+    one row: 3.0 ms against 4.8 ms for the bf16 GEMV and 6.5 ms for oneDNN-packed bf16; four
+    rows: 7.2 ms against 5.1 ms for the bf16 GEMV (the 4-bit unpacking is then the limit),
+    hence ``MAX_QGEMV_ROWS = 2``.
+    """
+
+    name = "quantized+dense"
+    MAX_QGEMV_ROWS = 2
+
+    def __init__(self, quant: QuantRows, dense) -> None:
+        self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.float().contiguous(),
+                               None if quant.mins is None else quant.mins.float().contiguous())
+        self.dense = dense                   # a WeightFormat over the dequantized weight
+        self._qgemv = torch.ops.fastgen.qgemv
+        bias = getattr(dense, "bias", None)
+        self.bias = bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.MAX_QGEMV_ROWS:
+            y = self._qgemv(x, self.quant.qweight, self.quant.scales, self.quant.mins, self.quant.kind)
+            return y if self.bias is None else y + self.bias
+        return self.dense.matmul(x)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.quant.num_bytes + self.dense.num_bytes
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.quant.num_bytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+def reference_matmul(x: torch.Tensor, quant: QuantRows) -> torch.Tensor:
+    """fp32 reference of the quantized product (tests)."""
+    return F.linear(x.float(), quant.dequantize())
