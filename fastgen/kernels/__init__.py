@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -72,6 +74,10 @@ def _load(verbose: bool) -> bool:
         return False
     name = build_name()
     build_dir = cache_dir() / "kernels" / name
+    # the `ninja` wheel puts its binary beside the interpreter; a venv is not always on PATH
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils import cpp_extension
 
