@@ -313,10 +313,73 @@ inline void pv4(const float* p, int64_t bs, int64_t n, const float* vf, int64_t 
   }
 }
 constexpr bool kHaveBlocked = true;
+
+#if defined(__AVX512BF16__)
+// The same four-row blocks with bf16 products (vdpbf16ps: pairs of bf16 multiplied exactly,
+// summed in fp32), half the instructions of the fp32 FMAs. K is packed per block as 32-bit
+// pairs along d, kw[d/2][bs]; V as pairs of keys, vw[bs/2][d]; q and P as pairs too.
+// sc[4][bs] = q[4] . K^T   (qw: [4][d/2] pairs)
+inline void qk4_bf16(const uint32_t* qw, int64_t d, const uint32_t* kw, int64_t bs, float* sc) {
+  const int64_t d2n = d / 2;
+  for (int64_t jb = 0; jb < bs; jb += 32) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(),
+           b1 = _mm512_setzero_ps(), c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(),
+           e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < d2n; ++d2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kw + d2 * bs + jb);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kw + d2 * bs + jb + 16);
+      __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[d2]));
+      a0 = _mm512_dpbf16_ps(a0, qv, k0), a1 = _mm512_dpbf16_ps(a1, qv, k1);
+      qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[d2n + d2]));
+      b0 = _mm512_dpbf16_ps(b0, qv, k0), b1 = _mm512_dpbf16_ps(b1, qv, k1);
+      qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[2 * d2n + d2]));
+      c0 = _mm512_dpbf16_ps(c0, qv, k0), c1 = _mm512_dpbf16_ps(c1, qv, k1);
+      qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[3 * d2n + d2]));
+      e0 = _mm512_dpbf16_ps(e0, qv, k0), e1 = _mm512_dpbf16_ps(e1, qv, k1);
+    }
+    _mm512_storeu_ps(sc + jb, a0), _mm512_storeu_ps(sc + jb + 16, a1);
+    _mm512_storeu_ps(sc + bs + jb, b0), _mm512_storeu_ps(sc + bs + jb + 16, b1);
+    _mm512_storeu_ps(sc + 2 * bs + jb, c0), _mm512_storeu_ps(sc + 2 * bs + jb + 16, c1);
+    _mm512_storeu_ps(sc + 3 * bs + jb, e0), _mm512_storeu_ps(sc + 3 * bs + jb + 16, e1);
+  }
+}
+
+// acc[4][d] += P[4] . V   (pw: [4][bs/2] pairs of bf16 probabilities; d % 64 == 0)
+inline void pv4_bf16(const uint32_t* pw, int64_t bs, int64_t n, const uint32_t* vw, int64_t d, float* acc) {
+  const int64_t pairs = (n + 1) / 2, half = bs / 2;
+  for (int64_t ib = 0; ib < d; ib += 64) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * d + ib + 16 * c);
+    for (int64_t j2 = 0; j2 < pairs; ++j2) {
+      const uint32_t* vj = vw + j2 * d + ib;
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vj), v1 = (__m512bh)_mm512_loadu_si512(vj + 16),
+                     v2 = (__m512bh)_mm512_loadu_si512(vj + 32), v3 = (__m512bh)_mm512_loadu_si512(vj + 48);
+      for (int r = 0; r < 4; ++r) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r * half + j2]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], pv, v0);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], pv, v1);
+        a[r][2] = _mm512_dpbf16_ps(a[r][2], pv, v2);
+        a[r][3] = _mm512_dpbf16_ps(a[r][3], pv, v3);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * d + ib + 16 * c, a[r][c]);
+  }
+}
+constexpr bool kHaveBf16Blocked = true;
+#else
+constexpr bool kHaveBf16Blocked = false;
+#endif
 #else
 inline void qk4(const float*, int64_t, const float*, int64_t, float*) {}
 inline void pv4(const float*, int64_t, int64_t, const float*, int64_t, float*) {}
 constexpr bool kHaveBlocked = false;
+constexpr bool kHaveBf16Blocked = false;
+#endif
+#if !defined(__AVX512BF16__)
+inline void qk4_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, float*) {}
+inline void pv4_bf16(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
 #endif
 
 template <typename T, int64_t DC>
@@ -324,7 +387,8 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
                  const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h, int64_t kvh,
                  int64_t d_runtime, int64_t bs, float scale, std::vector<float>& acc, std::vector<Partial>& ml,
                  std::vector<float>& qf, std::vector<float>& kf, std::vector<float>& vf,
-                 std::vector<float>& scores) {
+                 std::vector<float>& scores, std::vector<uint32_t>& qw, std::vector<uint32_t>& kw,
+                 std::vector<uint32_t>& vw, std::vector<uint32_t>& pw) {
   const int64_t d = DC > 0 ? DC : d_runtime;
   const int64_t group = h / kvh, s = item.seq, kv = item.kv;
   const int64_t nq_all = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
@@ -342,19 +406,89 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
     b1 = (p0 + qb - 1) / bs + 1;  // the tile's last query sees keys up to p0 + qb - 1
   }
   const int64_t rows = (qb - qa) * group;  // row r: query qa + r / group, head kv * group + r % group
-  qf.resize(rows * d);
-  acc.assign(rows * d, 0.f);
-  ml.assign(rows, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d;
-    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(src, i) * scale;
-  }
   const bool many = rows >= kManyRows;
+  const bool use_bf16 = std::is_same_v<T, at::BFloat16> && kHaveBf16Blocked && many && bs % 32 == 0 &&
+                        d % 64 == 0;
+  const int64_t rows4 = use_bf16 ? (rows + 3) / 4 * 4 : rows;  // bf16 blocks pad to four rows
+  qf.resize(rows4 * d);
+  acc.assign(rows4 * d, 0.f);
+  ml.assign(rows4, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  if (use_bf16) {
+    qw.assign(rows4 * d / 2, 0u);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d;
+      std::memcpy(qw.data() + r * d / 2, src, d * sizeof(T));
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d;
+      for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(src, i) * scale;
+    }
+  }
+  // one row's online-softmax update over this block's scores sc[0..visible); sc becomes the
+  // probabilities (0 past visible, up to bs)
+  auto softmax_row = [&](int64_t r, float* sc, int64_t visible) {
+    if (visible <= 0) {
+      for (int64_t j = 0; j < bs; ++j) sc[j] = 0.f;
+      return;
+    }
+    float mx = ml[r].m;
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
+    const float corr = fast_exp(ml[r].m - mx);
+    float l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < bs; ++j) {
+      const float pj = j < visible ? fast_exp(sc[j] - mx) : 0.f;
+      sc[j] = pj;
+      l += pj;
+    }
+    float* ar = acc.data() + r * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+    ml[r] = Partial{mx, ml[r].l * corr + l};
+  };
   const int32_t* table = tables + s * max_blocks;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t first_key = b * bs, n = std::min(bs, p0 + qb - first_key);
     const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
     const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+#if defined(__AVX512BF16__)
+    if (use_bf16) {
+      // pack: K as pairs along d, kw[d/2][bs]; V as pairs of keys, vw[bs/2][d] (missing keys 0)
+      const int64_t d2n = d / 2, half = bs / 2;
+      for (int64_t j = 0; j < bs; ++j) {
+        const uint32_t* kj = reinterpret_cast<const uint32_t*>(kb + j * kvh * d);
+        for (int64_t d2 = 0; d2 < d2n; ++d2) kw[d2 * bs + j] = j < n ? kj[d2] : 0u;
+      }
+      for (int64_t j2 = 0; j2 < half; ++j2) {
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vb + 2 * j2 * kvh * d);
+        const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vb + (2 * j2 + 1) * kvh * d);
+        const bool has0 = 2 * j2 < n, has1 = 2 * j2 + 1 < n;
+        uint32_t* dst = vw.data() + j2 * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i)
+          dst[i] = (has0 ? static_cast<uint32_t>(v0[i]) : 0u) | (has1 ? static_cast<uint32_t>(v1[i]) << 16 : 0u);
+      }
+      for (int64_t r_first = 0; r_first < rows4; r_first += 4) {
+        float* sc4 = scores.data();
+        qk4_bf16(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
+        for (int64_t rr = 0; rr < 4; ++rr) {
+          const int64_t r = r_first + rr;
+          float* sc = sc4 + rr * bs;
+#pragma omp simd
+          for (int64_t j = 0; j < bs; ++j) sc[j] *= scale;
+          softmax_row(r, sc, std::min(n, p0 + qa + r / group - first_key + 1));
+          for (int64_t jb = 0; jb < bs; jb += 32) {
+            const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + jb + 16), _mm512_loadu_ps(sc + jb));
+            _mm512_storeu_si512(pw.data() + r * half + jb / 2, (__m512i)pb);
+          }
+        }
+        pv4_bf16(pw.data() + r_first * half, bs, n, vw.data(), d, acc.data() + r_first * d);
+      }
+      continue;
+    }
+#endif
     // widen the block once (K transposed to [d][bs] when many rows read it)
     for (int64_t j = 0; j < n; ++j) {
       const T* kj = kb + j * kvh * d;
@@ -377,27 +511,7 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
         qk4(qf.data() + r_first * d, d, kf.data(), bs, sc4);
         for (int64_t rr = 0; rr < 4; ++rr) {
           const int64_t r = r_first + rr;
-          const int64_t visible = std::max<int64_t>(0, std::min(n, p0 + qa + r / group - first_key + 1));
-          float* sc = sc4 + rr * bs;
-          if (visible == 0) {
-            for (int64_t j = 0; j < bs; ++j) sc[j] = 0.f;
-            continue;
-          }
-          float mx = ml[r].m;
-#pragma omp simd reduction(max : mx)
-          for (int64_t j = 0; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
-          const float corr = fast_exp(ml[r].m - mx);
-          float l = 0.f;
-#pragma omp simd reduction(+ : l)
-          for (int64_t j = 0; j < bs; ++j) {
-            const float pj = j < visible ? fast_exp(sc[j] - mx) : 0.f;
-            sc[j] = pj;
-            l += pj;
-          }
-          float* ar = acc.data() + r * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
-          ml[r] = Partial{mx, ml[r].l * corr + l};
+          softmax_row(r, sc4 + rr * bs, std::min(n, p0 + qa + r / group - first_key + 1));
         }
         pv4(sc4, bs, n, vf.data(), d, acc.data() + r_first * d);
       }
@@ -493,21 +607,24 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
 #pragma omp parallel num_threads(num_threads) if (num_items > 1)
   {
     std::vector<float> qf, acc, scores(4 * bs), kf(bs * d), vf(bs * d);
+    std::vector<uint32_t> qw, kw(bs * d / 2 + 16), vw(bs / 2 * d + 16), pw;
     std::vector<Partial> ml;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = items[it];
-      attend_item<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
-                         acc, ml, qf, kf, vf, scores);
       const int64_t s = item.seq;
       const bool decode = q_starts[s + 1] - q_starts[s] == 1;
-      const int64_t rows = static_cast<int64_t>(ml.size());
+      const int64_t qa = decode ? 0 : item.part * kQueryTile;
+      const int64_t qb = decode ? 1 : std::min<int64_t>(q_starts[s + 1] - q_starts[s], qa + kQueryTile);
+      const int64_t rows = (qb - qa) * group;
+      pw.resize((rows + 3) / 4 * 4 * bs / 2);
+      attend_item<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
+                         acc, ml, qf, kf, vf, scores, qw, kw, vw, pw);
       if (decode && item.num_parts > 1) {
         std::memcpy(part_acc.data() + part_off[it] * d, acc.data(), rows * d * sizeof(float));
-        std::copy(ml.begin(), ml.end(), part_ml.begin() + part_off[it]);
+        std::copy(ml.begin(), ml.begin() + rows, part_ml.begin() + part_off[it]);
         continue;
       }
-      const int64_t qa = decode ? 0 : item.part * kQueryTile;
       for (int64_t r = 0; r < rows; ++r) {
         T* dst = out + ((q_starts[s] + qa + r / group) * h + item.kv * group + r % group) * d;
         const float inv = ml[r].l > 0.f ? 1.f / ml[r].l : 0.f;
