@@ -111,11 +111,11 @@ class Engine:
                 f"prompt has {n} tokens; the limit is {limit - 1} so that at least one token can be "
                 f"generated (max_model_len={self.config.max_model_len}, max_length={params.max_length})",
                 param="prompt")
-        max_tokens = min(limit, n + params.max_new_tokens)
+        max_total_tokens = min(limit, n + params.max_new_tokens)
         capacity = self.config.cache.num_blocks * self.config.cache.block_size
-        if max_tokens - 1 > capacity:  # the last generated token is never fed back
+        if max_total_tokens - 1 > capacity:  # the last generated token is never fed back
             raise PromptTooLongError(
-                f"request needs up to {max_tokens - 1} KV slots but the whole KV pool holds {capacity}; "
+                f"request needs up to {max_total_tokens - 1} KV slots but the whole KV pool holds {capacity}; "
                 f"lower max_new_tokens or enlarge the pool", param="max_new_tokens")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -124,7 +124,7 @@ class Engine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                      max_tokens=max_tokens, prompt_text=prompt_text,
+                      max_total_tokens=max_total_tokens, prompt_text=prompt_text,
                       generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
                       logprobs=[] if params.logprobs is not None else None,
                       prompt_logprobs=[] if params.prompt_logprobs is not None else None)
@@ -286,7 +286,7 @@ class Engine:
                 tok, check_stop=r.num_output_tokens >= r.params.min_new_tokens)
             if stopped:
                 reason = FinishReason.STOP
-            elif r.num_tokens >= r.max_tokens:
+            elif r.num_tokens >= r.max_total_tokens:
                 reason = FinishReason.LENGTH
         lps = (lp,) if lp is not None else ()
         if reason is None:

@@ -205,7 +205,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int                         # prompt + generated cap, resolved at admission
+    max_total_tokens: int                   # prompt + generated cap (OpenAI's max_tokens counts only the latter)
     prompt_text: str | None = None         # None when the prompt came as token ids (decoded on demand)
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)

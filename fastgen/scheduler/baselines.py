@@ -52,7 +52,7 @@ class StaticScheduler(QueueingScheduler):
                 req = q.waiting[0]
                 if chunks and tokens + req.num_tokens > self.config.budget_tokens:
                     break
-                if not q.try_admit(req, req.max_tokens - 1, 0):  # the last token is never fed back
+                if not q.try_admit(req, req.max_total_tokens - 1, 0):  # the last token is never fed back
                     break
                 chunks.append(ScheduledChunk(req.request_id, req.num_tokens))
                 tokens += req.num_tokens

@@ -19,7 +19,7 @@ def run_policy(cls, jobs, *, budget, max_seqs, block_size, num_blocks, reserve, 
     reqs = []
     for i, (p, o) in enumerate(jobs):
         r = Request(request_id=f"r{i}", prompt_token_ids=list(range(p)), params=SamplingParams(max_new_tokens=o),
-                    max_tokens=p + o)
+                    max_total_tokens=p + o)
         reqs.append(r)
         sched.add(r)
     tokens = itertools.count(1000)
@@ -40,7 +40,7 @@ def run_policy(cls, jobs, *, budget, max_seqs, block_size, num_blocks, reserve, 
                 tok = next(tokens)
                 r.output_token_ids.append(tok)
                 outputs[r.request_id].append(tok)
-                if r.num_tokens >= r.max_tokens:
+                if r.num_tokens >= r.max_total_tokens:
                     sched.finish(r)
     else:
         raise AssertionError("no termination")
@@ -80,12 +80,12 @@ def test_prefill_first_never_mixes_and_never_splits(jobs, budget, max_seqs, bloc
 def test_prefill_first_prefers_waiting_prompts_over_decodes():
     alloc = BlockAllocator(100)
     sched = PrefillFirstScheduler(SchedulerConfig(budget_tokens=64, max_seqs=8, reserve_blocks=0), alloc, 4)
-    a = Request(request_id="a", prompt_token_ids=[1] * 5, params=SamplingParams(), max_tokens=50)
+    a = Request(request_id="a", prompt_token_ids=[1] * 5, params=SamplingParams(), max_total_tokens=50)
     sched.add(a)
     [c] = sched.schedule().chunks
     a.num_computed_tokens += c.num_tokens
     a.output_token_ids.append(7)
-    b = Request(request_id="b", prompt_token_ids=[1] * 9, params=SamplingParams(), max_tokens=50)
+    b = Request(request_id="b", prompt_token_ids=[1] * 9, params=SamplingParams(), max_total_tokens=50)
     sched.add(b)
     plan = sched.schedule()
     assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("b", 9)]   # a's decode waits

@@ -44,7 +44,7 @@ def make_request(request_id: str, prompt_len: int, output_len: int) -> Request:
     prompt = [(7 * i + 3) % 50 for i in range(prompt_len)]
     return Request(request_id=request_id, prompt_token_ids=prompt,
                    params=SamplingParams(max_new_tokens=output_len),
-                   max_tokens=prompt_len + output_len)
+                   max_total_tokens=prompt_len + output_len)
 
 
 class Sim:
