@@ -223,13 +223,13 @@ class Engine:
             log.exception("step failed")
             return [self._finish(r, FinishReason.ERROR, f"step failed: {e}") for r in reqs]
 
-        for r, c in zip(reqs, plan.chunks):
-            r.num_computed_tokens += c.num_tokens
+        tokens, lps = sampled
+        self.scheduler.commit(plan, {r.request_id: tok for (_, r), tok in zip(samplers, tokens)})
         outputs = [StepOutput(r.request_id, (), "", None) for r in reqs if r.num_computed_tokens < r.num_tokens]
         now = time.perf_counter()
-        for (_, r), tok, lp in zip(samplers, *sampled):
+        for (_, r), tok, lp in zip(samplers, tokens, lps):
             try:
-                outputs.append(self._append_token(r, tok, lp, now))
+                outputs.append(self._after_token(r, tok, lp, now))
             except Exception as e:  # e.g. a detokenizer failure: only this request ends
                 log.exception("request %s failed", r.request_id)
                 outputs.append(self._finish(r, FinishReason.ERROR, str(e)))
@@ -272,8 +272,8 @@ class Engine:
                  for _, r in samplers]
         return sample(logits, srows, self._generator)
 
-    def _append_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:
-        r.output_token_ids.append(tok)
+    def _after_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:
+        """``tok`` was appended by the scheduler's commit: time it, detokenize, decide the finish."""
         r.token_times.append(now)
         if r.logprobs is not None:
             r.logprobs.append(lp)

@@ -7,10 +7,12 @@ back at the front of the waiting queue, to be recomputed with its generated toke
 from __future__ import annotations
 
 from collections import deque
+from typing import Mapping
 
 from ..cache import BlockAllocator
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
+from .base import Admission, StepPlan
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -36,13 +38,20 @@ class RequestQueues:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
 
-    def try_admit(self, req: Request, num_tokens: int, reserve_blocks: int) -> bool:
-        """Admit the head of the queue with blocks for ``num_tokens`` if that leaves
-        ``reserve_blocks`` free (no reserve when nothing runs)."""
+    def admission(self, num_tokens: int, reserve_blocks: int) -> Admission:
+        """Whether blocks for ``num_tokens`` can be had now, leaving ``reserve_blocks`` free
+        (no reserve when nothing runs)."""
         need = blocks_for(num_tokens, self.block_size)
+        if need > self.allocator.num_blocks:
+            return Admission.TOO_LONG
         reserve = reserve_blocks if self.running else 0
-        if not self.allocator.can_allocate(need + reserve):
+        return Admission.FITS if self.allocator.can_allocate(need + reserve) else Admission.KV_BLOCKS
+
+    def try_admit(self, req: Request, num_tokens: int, reserve_blocks: int) -> bool:
+        """Admit the head of the queue with blocks for ``num_tokens`` if :meth:`admission` says it fits."""
+        if self.admission(num_tokens, reserve_blocks) is not Admission.FITS:
             return False
+        need = blocks_for(num_tokens, self.block_size)
         assert self.waiting[0] is req, "requests are admitted in queue order"
         self.waiting.popleft()
         req.block_ids = self.allocator.allocate(need)
@@ -110,3 +119,14 @@ class QueueingScheduler:
 
     def finish(self, request: Request) -> None:
         self.queues.finish(request)
+
+    def commit(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
+        by_id = {r.request_id: r for r in self.queues.running}
+        completed = []
+        for chunk in plan.chunks:
+            req = by_id[chunk.request_id]
+            req.num_computed_tokens += chunk.num_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                req.output_token_ids.append(sampled[chunk.request_id])
+                completed.append(req)
+        return completed

@@ -32,16 +32,16 @@ def run_policy(cls, jobs, *, budget, max_seqs, block_size, num_blocks, reserve, 
         plan = sched.schedule()
         assert plan.chunks, "a policy with work must schedule something"
         on_plan(sched, plan, before)
+        sampled = {}
         for c in plan.chunks:
             r = by_id[c.request_id]
-            r.num_computed_tokens += c.num_tokens
-            assert r.num_computed_tokens <= r.num_tokens
-            if r.num_computed_tokens == r.num_tokens:
-                tok = next(tokens)
-                r.output_token_ids.append(tok)
+            assert r.num_computed_tokens + c.num_tokens <= r.num_tokens
+            if r.num_computed_tokens + c.num_tokens == r.num_tokens:
+                sampled[c.request_id] = tok = next(tokens)
                 outputs[r.request_id].append(tok)
-                if r.num_tokens >= r.max_total_tokens:
-                    sched.finish(r)
+        for r in sched.commit(plan, sampled):            # the policy's own update, as in the engine
+            if r.num_tokens >= r.max_total_tokens:
+                sched.finish(r)
     else:
         raise AssertionError("no termination")
     assert alloc.num_free_blocks == num_blocks
@@ -123,3 +123,18 @@ def test_make_scheduler_knows_every_policy():
     for name, cls in (("prefill-first", PrefillFirstScheduler), ("static", StaticScheduler)):
         cfg = SchedulerConfig(budget_tokens=8, max_seqs=2, reserve_blocks=0, policy=name)
         assert isinstance(make_scheduler(cfg, alloc, 4), cls)
+
+
+def test_admission_answers_with_a_reason():
+    from fastgen.scheduler.base import Admission
+    from fastgen.scheduler.queues import RequestQueues
+
+    q = RequestQueues(BlockAllocator(4), block_size=4)
+    assert q.admission(16, 0) is Admission.FITS
+    assert q.admission(17, 0) is Admission.TOO_LONG                 # more blocks than the pool has
+    r = Request(request_id="a", prompt_token_ids=[1] * 9, params=SamplingParams(), max_total_tokens=20)
+    q.add(r)
+    assert q.try_admit(r, 9, 0) and len(r.block_ids) == 3
+    assert q.admission(8, 0) is Admission.KV_BLOCKS                 # one block left
+    assert q.admission(4, 1) is Admission.KV_BLOCKS                 # fits, but not with the reserve
+    assert q.admission(4, 0) is Admission.FITS

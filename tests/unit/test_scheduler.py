@@ -102,21 +102,27 @@ class Sim:
         return plan
 
     def apply(self, plan: StepPlan) -> None:
-        """The engine's update: advance, sample only on completion, finish at the target length."""
+        """The engine's update through the scheduler's own ``commit``: a fake token for every
+        chunk that completes its request's tokens; finish at the target length."""
+        sampled = {}
         for chunk in plan.chunks:
             req = self.requests[chunk.request_id]
             trace = self.traces[chunk.request_id]
             start = req.num_computed_tokens
             trace.epochs[-1].append((start, chunk.num_tokens))
             trace.next_pos = start + chunk.num_tokens
-            req.num_computed_tokens += chunk.num_tokens
-            if req.num_computed_tokens < req.num_tokens:
-                continue                                  # a split chunk: nothing sampled
-            tok = next(self._tokens)
-            req.output_token_ids.append(tok)
-            trace.sampled.append(tok)
-            if req.num_output_tokens == self.jobs[chunk.request_id].output_len:
-                self.scheduler.finish(req)
+            if start + chunk.num_tokens == req.num_tokens:
+                sampled[chunk.request_id] = tok = next(self._tokens)
+                trace.sampled.append(tok)
+        completed = self.scheduler.commit(plan, sampled)
+        assert [r.request_id for r in completed] == [c.request_id for c in plan.chunks if c.request_id in sampled]
+        for chunk in plan.chunks:
+            req = self.requests[chunk.request_id]
+            assert req.num_computed_tokens == self.traces[chunk.request_id].next_pos
+            if chunk.request_id in sampled:
+                assert req.output_token_ids[-1] == sampled[chunk.request_id]
+                if req.num_output_tokens == self.jobs[chunk.request_id].output_len:
+                    self.scheduler.finish(req)
 
     def run(self, max_steps: int) -> None:
         last_arrival = max((j.arrival_step for j in self.jobs.values()), default=0)
