@@ -869,9 +869,98 @@ inline void qrow_generic(const uint8_t* wr, const float* sc, const float* xf, in
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// x rows quantized to int8 per group of 32 (llama.cpp's Q8_0 activations), laid out to
+// match the weight bytes of a pair of groups (see qrow_vnni); dx: [groups] scales.
+inline void quantize_x_pairs(const float* xr, int64_t k, int kind, int8_t* xq, float* dx) {
+  const int64_t groups = k / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xr[g * 32 + i]));
+    const float d = amax > 0.f ? amax / 127.f : 1.f;
+    dx[g] = d;
+    const float inv = 1.f / d;
+    const int64_t p = g / 2, odd = g % 2;
+    for (int64_t i = 0; i < 32; ++i) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(xr[g * 32 + i] * inv));
+      int64_t pos;
+      if (g + 1 == groups && groups % 2 == 1)
+        pos = p * 64 + i;                                          // tail group: plain order
+      else if (kind == 4)
+        pos = p * 64 + (i < 16 ? 0 : 32) + odd * 16 + (i % 16);   // [g0 lo, g1 lo, g0 hi, g1 hi]
+      else
+        pos = p * 64 + odd * 32 + i;                               // [g0, g1]
+      xq[pos] = v;
+    }
+  }
+}
+
+// RN rows of int8 x against one quantized W row with VNNI (vpdpbusd: u8 x s8 -> int32), a
+// pair of groups per instruction; per-group scales applied in fp32. Measured on the Zen 5
+// host, SmolLM2's layers as Q4_1, one row: see QuantGemvWeight. kind 8 makes x unsigned by
+// +128 and subtracts 128 * sum(w).
+template <int RN>
+inline void qrow_vnni(const uint8_t* wr, const float* sc, const int8_t* const* xq, const float* const* dx,
+                      int64_t groups, int kind, float* totals) {
+  const int64_t pairs = groups / 2;
+  __m512 acc[RN];
+  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i idx = kind == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80)),
+                ones = _mm512_set1_epi8(1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i w, wsum128 = _mm512_setzero_si512();
+    if (kind == 4) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + p * 32));
+      const __m512i bb = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+      w = _mm512_and_si512(bb, low4);                            // [g0 lo, g1 lo, g0 hi, g1 hi]
+    } else {
+      w = _mm512_loadu_si512(wr + p * 64);
+      wsum128 = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w), 7);
+    }
+    const __m512 swv = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + 2 * p))));
+    for (int r = 0; r < RN; ++r) {
+      __m512i xv = _mm512_loadu_si512(xq[r] + p * 64);
+      __m512i dot;
+      if (kind == 4) {
+        dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);       // u4 weights x s8 x
+      } else {
+        xv = _mm512_xor_si512(xv, bias);                                   // s8 -> u8 (+128)
+        dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, w), wsum128);
+      }
+      const __m512 dxv = _mm512_castps128_ps512(
+          _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx[r] + 2 * p))));
+      const __m512 scale = _mm512_permutexvar_ps(idx, _mm512_mul_ps(swv, dxv));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < RN; ++r) totals[r] = _mm512_reduce_add_ps(acc[r]);
+  if (groups % 2 == 1) {  // the tail group, in plain order
+    const int64_t g = groups - 1;
+    for (int r = 0; r < RN; ++r) {
+      const int8_t* xg = xq[r] + pairs * 64;
+      int32_t sum = 0;
+      if (kind == 4) {
+        for (int64_t i = 0; i < 16; ++i)
+          sum += static_cast<int32_t>(wr[g * 16 + i] & 0xF) * xg[i] +
+                 static_cast<int32_t>(wr[g * 16 + i] >> 4) * xg[i + 16];
+      } else {
+        const int8_t* ws = reinterpret_cast<const int8_t*>(wr) + g * 32;
+        for (int64_t i = 0; i < 32; ++i) sum += static_cast<int32_t>(ws[i]) * static_cast<int32_t>(xg[i]);
+      }
+      totals[r] += static_cast<float>(sum) * sc[g] * dx[r][g];
+    }
+  }
+}
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+#endif
+
 template <typename T>
 void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float* mins, T* y, int64_t m,
-                int64_t n, int64_t k, int kind) {
+                int64_t n, int64_t k, int kind, bool act_int8) {
   const int64_t groups = k / 32;
   std::vector<float> xf(m * k), xsum(m * groups, 0.f);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
@@ -879,7 +968,14 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t i = 0; i < 32; ++i) xsum[r * groups + g] += xf[r * k + g * 32 + i];
   const int64_t row_bytes = kind == 4 ? k / 2 : k;
-  at::parallel_for(0, n, 64, [=, &xf, &xsum](int64_t n0, int64_t n1) {
+  const bool vnni = act_int8 && kHaveVnni;
+  std::vector<int8_t> xq(vnni ? m * (k + 64) : 0);
+  std::vector<float> dx(vnni ? m * groups : 0);
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  for (int64_t r = 0; vnni && r < m; ++r)
+    quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups);
+#endif
+  at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx](int64_t n0, int64_t n1) {
     for (int64_t o = n0; o < n1; ++o) {
       const uint8_t* wr = qw + o * row_bytes;
       const float* sc = scales + o * groups;
@@ -890,6 +986,20 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
         const int64_t rn = std::min<int64_t>(4, m - r0);
         float totals[4] = {};
         const float* xr = xf.data() + r0 * k;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+        if (vnni) {
+          const int8_t* xqs[4];
+          const float* dxs[4];
+          for (int64_t r = 0; r < rn; ++r)
+            xqs[r] = xq.data() + (r0 + r) * (k + 64), dxs[r] = dx.data() + (r0 + r) * groups;
+          switch (rn) {
+            case 1: qrow_vnni<1>(wr, sc, xqs, dxs, groups, kind, totals); break;
+            case 2: qrow_vnni<2>(wr, sc, xqs, dxs, groups, kind, totals); break;
+            case 3: qrow_vnni<3>(wr, sc, xqs, dxs, groups, kind, totals); break;
+            default: qrow_vnni<4>(wr, sc, xqs, dxs, groups, kind, totals); break;
+          }
+        } else
+#endif
 #if defined(__AVX512F__)
         switch (rn) {
           case 1: qrow<1>(wr, sc, xr, k, groups, kind, totals); break;
@@ -917,7 +1027,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
 }
 
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
-                 const c10::optional<at::Tensor>& mins, int64_t kind) {
+                 const c10::optional<at::Tensor>& mins, int64_t kind, bool act_int8) {
   TORCH_CHECK(kind == 4 || kind == 8, "qgemv: kind must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
               "qgemv: x [m, k], qw [n, k/2 or k] uint8");
@@ -936,10 +1046,10 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
   AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemv",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         qgemv_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp,
-                          y.data_ptr<float>(), m, n, k, static_cast<int>(kind)); })
+                          y.data_ptr<float>(), m, n, k, static_cast<int>(kind), act_int8); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         qgemv_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                 mp, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind)); }));
+                                 mp, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind), act_int8); }));
   return y;
 }
 
@@ -952,10 +1062,15 @@ TORCH_LIBRARY(fastgen, m) {
   m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor(a!) k_pool, Tensor(b!) v_pool, int h, int kvh, int d) -> Tensor[]");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("qgemv(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind) -> Tensor");
+  m.def("qgemv(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, bool act_int8=False) -> Tensor");
+  m.def("have_vnni() -> bool");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor q_starts, Tensor start_pos, "
         "Tensor block_tables, float scale) -> Tensor");
 }
+
+bool have_vnni() { return kHaveVnni; }
+
+TORCH_LIBRARY_IMPL(fastgen, CompositeExplicitAutograd, m) { m.impl("have_vnni", &have_vnni); }
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
   m.impl("rms_norm", &rms_norm);
