@@ -604,7 +604,12 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   std::vector<float> part_acc(part_off[num_items] * d);
   std::vector<Partial> part_ml(part_off[num_items]);
 
-#pragma omp parallel num_threads(num_threads) if (num_items > 1)
+  // below ~64k key-head pairs (one short decode: tens of microseconds) waking the other
+  // threads costs more than it saves
+  int64_t work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    work += (start_pos[s] + q_starts[s + 1] - q_starts[s]) * (q_starts[s + 1] - q_starts[s]) * h;
+#pragma omp parallel num_threads(num_threads) if (num_items > 1 && work > (1 << 16))
   {
     std::vector<float> qf, acc, scores(4 * bs), kf(bs * d), vf(bs * d);
     std::vector<uint32_t> qw, kw(bs * d / 2 + 16), vw(bs / 2 * d + 16), pw;
