@@ -73,6 +73,7 @@ class EngineConfig:
     max_model_len: int
     kernels: str = "torch"   # "native" (fastgen's CPU kernels) or "torch"
     quantization: str = "none"   # "auto" (a GGUF as shipped), "none", "int8", "int4"
+    int8_activations: bool = False
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -141,6 +142,7 @@ class EngineOptions:
     scheduler: str = "splitfuse"
     kernels: str = "auto"
     quantization: str = "auto"
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         """Reject bad values when the options are built, before any model is loaded."""
@@ -157,6 +159,8 @@ class EngineOptions:
         if self.scheduler not in SCHEDULERS:
             raise InvalidRequestError(
                 f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}", param="scheduler")
+        if not isinstance(self.int8_activations, bool):
+            raise InvalidRequestError("int8_activations must be true or false", param="int8_activations")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
                                       param="quantization")
@@ -198,6 +202,7 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
                                   reserve_blocks=reserve, policy=options.scheduler),
         max_model_len=max_model_len, kernels=kernels,
         quantization=resolve_quantization(options.quantization, kernels),
+        int8_activations=options.int8_activations,
     )
 
 

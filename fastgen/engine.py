@@ -88,7 +88,7 @@ class Engine:
         torch.set_num_threads(config.num_threads)
         net = load_model(path, dtype=config.dtype, device=config.device,
                          max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels,
-                         quantization=config.quantization)
+                         quantization=config.quantization, int8_activations=config.int8_activations)
         budget = None
         if opts.budget_tokens == "auto":
             budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms)

@@ -29,8 +29,8 @@ PROMPTS = (
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
     "To be, or not to be,", "import numpy as np\n", "Water boils at", "The quick brown fox",
 )
-DEFAULT_MODES = ("float32:none", "float32:auto", "bfloat16:none", "bfloat16:auto", "bfloat16:int8",
-                 "bfloat16:int4")
+DEFAULT_MODES = ("float32:none", "float32:auto", "bfloat16:none", "bfloat16:auto", "bfloat16:auto+a8",
+                 "bfloat16:int8", "bfloat16:int4")
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,10 @@ def evaluate(model: str | None, modes: tuple[str, ...], num_tokens: int, max_new
     reference: list[tuple[int, ...]] | None = None
     for mode in ("float32:none", *[m for m in modes if m != "float32:none"]):
         dtype, quantization = mode.split(":")
+        quantization, _, a8 = quantization.partition("+")     # "+a8": int8 activations
         t0 = time.perf_counter()
-        pipe = pipeline(model, dtype=dtype, quantization=quantization, budget_tokens=256, **engine_options)
+        pipe = pipeline(model, dtype=dtype, quantization=quantization, budget_tokens=256,
+                        int8_activations=a8 == "a8", **engine_options)
         engine = pipe.engine
         ppl = decode_perplexity(engine, heldout_tokens(engine.tokenizer, num_tokens), window)
         toks = greedy_tokens(pipe, max_new_tokens)
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastgen eval-ppl", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
-    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="DTYPE:QUANTIZATION")
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="DTYPE:QUANTIZATION[+a8]",
+                    help="+a8: int8 activations in the quantized decode GEMV")
     ap.add_argument("--tokens", type=int, default=1024, help="held-out tokens for perplexity (default 1024)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     ns = ap.parse_args(argv)

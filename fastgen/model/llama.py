@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops: Ops = TorchOps()
         self.attention: AttentionBackend | None = None
 
-    def prepare(self, kernels: str = "torch") -> None:
+    def prepare(self, kernels: str = "torch", int8_activations: bool = False) -> None:
         """After loading and moving: give every linear layer its weight format, pick the
         output projection, and the small-op and attention implementations (``kernels``:
         "native" = fastgen's CPU kernels, already loaded; "torch" = plain PyTorch)."""
@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
 
             def make_format(weight, bias):
                 dense = default_format(weight, bias, kernels)
-                return dense if quant is None else QuantGemvWeight(quant, dense)
+                return dense if quant is None else QuantGemvWeight(quant, dense, int8_activations)
             return make_format
 
         if self.lm_head is not None:

@@ -206,7 +206,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_positions: int,
                hf_config: Any | None = None, kernels: str = "torch", quantization: str = "none",
-               ) -> torch.nn.Module:
+               int8_activations: bool = False) -> torch.nn.Module:
     """Instantiate the registered class for the config and fill it from the checkpoint.
 
     ``kernels``: "torch" or "native" (resolved by ``fastgen.config.resolve_kernels``).
@@ -214,7 +214,8 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
     Q4_0/Q4_1/Q8_0 tensors as shipped and leaves HF checkpoints dense; "int8"/"int4"
     quantize every linear weight (and the output head) per group of 32 at load, the dense
     copy then holding the dequantized values so that every path computes the same model;
-    "none" dequantizes as before."""
+    "none" dequantizes as before. ``int8_activations``: decode rows of quantized layers take
+    int8 activations (VNNI), see fastgen.model.quant.QuantGemvWeight."""
     hf_config = hf_config or load_hf_config(path)
     cls = model_class(hf_config.model_type)
     cfg = ModelConfig.from_hf(hf_config)
@@ -232,5 +233,5 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
             raise ModelLoadError(f"quantization={quantization!r} needs fastgen's native CPU kernels")
         quant = model.quantize_linear(8 if quantization == "int8" else 4, quantize)
     model.attach_quantized(quant)
-    model.prepare(kernels)
+    model.prepare(kernels, int8_activations)
     return model
