@@ -26,7 +26,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +34,7 @@ import torch
 
 from .batch import SeqInput, build_batch
 from .cache import KVPool
-from .config import DEFAULT_TARGET_ITL_MS, cache_dir  # noqa: F401 (the default's reason is given there)
+from .config import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +145,6 @@ def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: 
     choice = BudgetChoice(budget, target_itl_ms, floor, tuple((int(n), float(ms)) for n, ms in curve), cached)
     log.info("%s", choice.describe())
     return choice
-
-
-def as_dict(choice: BudgetChoice) -> dict:
-    return asdict(choice)
 
 
 def calibrate_engine_budget(model: torch.nn.Module, model_config, config, target_itl_ms: float) -> BudgetChoice:
