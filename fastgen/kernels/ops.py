@@ -52,12 +52,24 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def __init__(self) -> None:
+        self._positions: torch.Tensor | None = None    # the step whose tables are cached
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _rope_tables(self, positions, cos, sin, dtype):
+        """cos and sign-folded sin ``[T, 1, D]`` for the step's positions, built once per step
+        (the step's positions tensor is held, so a new step's cannot share its identity)."""
+        if positions is not self._positions or self._tables is None or self._tables[0].dtype != dtype:
+            c = cos[positions].to(dtype).unsqueeze(1)
+            s = sin[positions].to(dtype).unsqueeze(1)
+            half = s.shape[-1] // 2
+            self._positions, self._tables = positions, (c, torch.cat((-s[..., :half], s[..., half:]), dim=-1))
+        return self._tables
+
     def rope_write_kv(self, qkv, positions, cos, sin, slots, pool, layer, num_heads, num_kv_heads, head_dim):
         t, h, kvh, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
-        c = cos[positions].to(qkv.dtype).unsqueeze(1)                      # [T, 1, D]
-        s = sin[positions].to(qkv.dtype).unsqueeze(1)
+        c, signed_sin = self._rope_tables(positions, cos, sin, qkv.dtype)   # [T, 1, D] each
         half = d // 2
-        signed_sin = torch.cat((-s[..., :half], s[..., half:]), dim=-1)
         x = qkv[:, :(h + kvh) * d].view(t, h + kvh, d)                      # q and k rotated together
         swapped = x.reshape(t, h + kvh, 2, half).flip(2).view(t, h + kvh, d)
         qk = torch.addcmul(x * c, swapped, signed_sin)
