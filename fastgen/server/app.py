@@ -8,19 +8,16 @@ server-sent events. A client that goes away aborts its engine requests.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import secrets
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import lru_cache
-from typing import Any, AsyncIterator, Callable, Literal, TypeVar
+from typing import AsyncIterator, Callable, Literal, TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine
 from ..errors import EngineDeadError, InvalidRequestError
@@ -32,69 +29,12 @@ from .errors import APIError, QueueFullError, bad_request, from_invalid_request,
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
                        CompletionRequest, GenerateRequest, ResponseBuilder, _Model, model_not_found)
+from .http import create_fastapi_app, race_disconnect, sse
 from .wire import response_to_json
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
 M = TypeVar("M", bound=pydantic.BaseModel)
-
-
-
-async def race_disconnect(request: Request, work):
-    """``await work`` unless the client disconnects first: then the work is cancelled and the
-    request ends with 499 (nginx's "client closed request")."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():  # a cancel takes effect at the task's next step
-        raise APIError(499, "client disconnected", code="client_closed")
-    return task.result()
-
-
-class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` matches (``/health`` and ``/metrics`` stay open)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self._key = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self._key):
-                err = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error, including unknown routes and bugs, answers with an OpenAI-style body."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).response()
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -109,10 +49,6 @@ def event_stream(events: AsyncIterator[str], stream: Stream) -> StreamingRespons
     leaves before the body starts, ``events`` never runs; the finalizer still aborts ``stream``."""
     weakref.finalize(events, stream.close)
     return StreamingResponse(events, media_type="text/event-stream")
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -388,11 +324,8 @@ def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -
         finally:
             server.close()
 
-    app = FastAPI(title="fastgen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = create_fastapi_app("fastgen", lifespan, config)
     app.state.server = server
-    install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .app import APIKeyMiddleware, install_error_handlers, race_disconnect, sse
+from .http import create_fastapi_app, race_disconnect, sse
 from .config import ServerConfig
 from .errors import APIError
 from .metrics import CONTENT_TYPE
@@ -307,11 +307,8 @@ def create_balancer_app(config: ServerConfig, balancer: Balancer) -> FastAPI:
         finally:
             await balancer.close()
 
-    app = FastAPI(title="fastgen balancer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = create_fastapi_app("fastgen balancer", lifespan, config)
     app.state.balancer = balancer
-    install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -1,0 +1,92 @@
+"""HTTP pieces shared by the engine app and the balancer: the app factory (error bodies, API
+key), the disconnect race and server-sent events. No engine import, so a balancer process
+does not load torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .config import ServerConfig
+from .errors import APIError
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+
+async def race_disconnect(request: Request, work):
+    """``await work`` unless the client disconnects first: then the work is cancelled and the
+    request ends with 499 (nginx's "client closed request")."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():  # a cancel takes effect at the task's next step
+        raise APIError(499, "client disconnected", code="client_closed")
+    return task.result()
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` matches (``/health`` and ``/metrics`` stay open)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self._key):
+                err = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error, including unknown routes and bugs, answers with an OpenAI-style body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+
+def create_fastapi_app(title: str, lifespan, config: ServerConfig) -> FastAPI:
+    """A FastAPI app with OpenAI-style error bodies and, when configured, the API key check."""
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
