@@ -34,7 +34,7 @@ import torch
 
 from .batch import SeqInput, build_batch
 from .cache import KVPool
-from .config import cache_dir
+from .config import cache_dir, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,7 @@ def choose_budget(curve: list[tuple[int, float]], target_itl_ms: float) -> tuple
 def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: int, block_size: int,
               device: torch.device) -> str:
     h = hashlib.sha256()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            h.update(next((ln for ln in f if ln.startswith("flags")), "").encode())
-    except OSError:
-        h.update(platform.processor().encode())
+    h.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     st = os.stat(model_path) if os.path.isfile(model_path) else None
     h.update(f"{model_path}|{st.st_size if st else 0}|{st.st_mtime_ns if st else 0}|{dtype}|{kernels}|"
              f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}".encode())

@@ -8,6 +8,7 @@ Environment variables are read here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,14 +77,22 @@ class EngineConfig:
     int8_activations: bool = False
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU has native bf16 matrix support (AVX512-BF16 or AMX)."""
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none); read once.
+    The one reader of the host's ISA: dtype "auto", the kernel build key, the budget cache
+    key and the benchmark's ISA line all use it."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = f.read()
+            line = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU has native bf16 matrix support (AVX512-BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..batch import SeqInput, build_batch
 from ..cache import KVPool
+from ..config import cpu_flags
 from ..model.attention import PagedAttention, SdpaAttention
 
 ISA_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
@@ -23,13 +24,8 @@ ATTENTION_OPS = ("fastgen::paged_attention", "aten::scaled_dot_product_attention
 
 
 def host_isa() -> str:
-    """The ISA features that decide which kernels are fast here (from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return "unknown"
-    have = [f for f in ISA_FLAGS if f in flags]
+    """The ISA features that decide which kernels are fast here."""
+    have = [f for f in ISA_FLAGS if f in cpu_flags()]
     return " ".join(have) if have else "no AVX2"
 
 
@@ -99,8 +95,8 @@ def decode_step_breakdown(engine, steps: int = 10) -> dict[str, Any]:
 
     rid = engine.add_request(list(range(1, 129)), SamplingParams(max_new_tokens=steps + 40, do_sample=False,
                                                                  ignore_eos=True))
-    while not engine._requests[rid].is_decoding:   # noqa: SLF001 (bench reads the engine's own record)
-        engine.step()
+    while not any(o.request_id == rid and o.new_token_ids for o in engine.step()):
+        pass                                        # until its prompt is done and it decodes
     for _ in range(5):
         engine.step()
     t0 = time.perf_counter()

@@ -25,24 +25,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import cache_dir
+from ..config import cache_dir, cpu_flags
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # -fno-trapping-math: without it GCC keeps floor() scalar, and with it every loop that calls
@@ -56,7 +45,7 @@ def build_name() -> str:
     h.update(SOURCE.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
-    h.update(_cpu_flags().encode())
+    h.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     return f"fastgen_cpu_kernels_{h.hexdigest()[:12]}"
 
 

@@ -10,9 +10,9 @@ metadata it needs, and is then called per layer with the rotated q, k, v of ever
 - :class:`PagedAttention` (CPU, native kernels): every sequence of the step, decodes and
   chunks, in one call of ``torch.ops.fastgen.paged_attention``, which reads the pool in
   place (no gather, no mask, no padding). Measured on the 2-core Zen 5 host, one layer of
-  SmolLM2 (9 heads, 3 KV heads, head dim 64), bf16: 32 decodes x 4k keys 5.6 ms against
-  90 ms for gather + SDPA; a 256-query chunk at position 1,792 6.1 ms (187 GFLOP/s) against
-  7.0 ms; a fresh 256-token chunk 0.51 ms against SDPA's causal flash path 0.93 ms.
+  SmolLM2 (9 heads, 3 KV heads, head dim 64), bf16 (`make bench`, 11:15 UTC): 32 decodes
+  x 4k keys 8.6 ms against 122 ms for gather + SDPA; a 256-query chunk at position 1,792
+  3.5 ms (320 GFLOP/s) against 8.9 ms.
 """
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ class PagedAttention:
     name = "paged"
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
+        self.device = device            # dtype: the pool's and q's, read by the kernel
         self._kernel = torch.ops.fastgen.paged_attention
 
     def plan(self, batch: RaggedBatch) -> PagedPlan:

@@ -249,11 +249,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quant_parts[part] = rows
 
-    def quantize_linear(self, bits: int, quantize) -> dict:
-        """Quantize every linear weight and the output head at load (HF checkpoints); the
-        loaded weights are replaced by their dequantized values so that prompt chunks and
-        decodes compute the same model. Returns HF-named QuantRows for attach_quantized."""
-        out = {}
+    def quantize_linear(self, bits: int, quantize) -> None:
+        """Quantize every linear weight and the output head at load (HF checkpoints), handing
+        the QuantRows to the layers directly; the loaded weights are replaced by their
+        dequantized values so that prompt chunks and decodes compute the same model."""
         for name, module in self.named_modules():
             if not isinstance(module, Linear):
                 continue
@@ -273,7 +272,6 @@ class LlamaForCausalLM(nn.Module):
             self._embed_quant = quantize(emb.data, bits)
             with torch.no_grad():
                 emb.copy_(self._embed_quant.dequantize().to(emb.dtype))
-        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""

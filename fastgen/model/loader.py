@@ -231,7 +231,8 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
     if quantization in ("int8", "int4"):
         if kernels != "native":
             raise ModelLoadError(f"quantization={quantization!r} needs fastgen's native CPU kernels")
-        quant = model.quantize_linear(8 if quantization == "int8" else 4, quantize)
-    model.attach_quantized(quant)
+        model.quantize_linear(8 if quantization == "int8" else 4, quantize)
+    else:
+        model.attach_quantized(quant)
     model.prepare(kernels, int8_activations)
     return model
