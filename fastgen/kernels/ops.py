@@ -6,7 +6,7 @@ code rounds, so both give the same values up to float summation order. The model
 only these five methods and never asks which implementation it holds.
 
 Measured on the 2-core Zen 5 host (AVX512-BF16, no AMX), SmolLM2-135M bf16, batch-1 decode:
-the eager path issues ~5,100 PyTorch ops per step, ~170 per layer; the fused path ~10.
+the eager path issues ~5,100 PyTorch ops per step (~170 per layer), the fused path 749 (~25).
 """
 from __future__ import annotations
 
