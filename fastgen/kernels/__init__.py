@@ -14,6 +14,7 @@ They are CPU-only; on CUDA the PyTorch path runs.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -75,9 +76,16 @@ def _load(verbose: bool) -> bool:
         if not built:
             log.warning("building fastgen's native CPU kernels for this host (once; about a minute)...")
         t0 = time.perf_counter()
-        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
-                           extra_cflags=CFLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+        # torch's build lock is a plain file that a killed build (Ctrl-C, a test run stopped
+        # mid-build) leaves behind, and every later load then waits on it forever. Builders take
+        # an OS lock first, which dies with its process: whoever holds it is the only builder, so
+        # a torch lock found then is stale.
+        with open(build_dir / "fastgen-build.lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                               extra_cflags=CFLAGS,
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
         if not built:
             log.warning("native CPU kernels built in %.0f s (%s)", time.perf_counter() - t0, build_dir)
         return hasattr(torch.ops.fastgen, "paged_attention")

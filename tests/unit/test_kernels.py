@@ -176,3 +176,20 @@ def test_register_blocked_chunk_path(dtype, d):
                                             d ** -0.5)
     want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch's build lock survives a build killed mid-way; the next load must not wait on it forever."""
+    import subprocess
+    import sys
+
+    from fastgen.config import cache_dir
+    from fastgen.kernels import build_name
+
+    build_dir = cache_dir() / "kernels" / build_name()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "lock").touch()
+    out = subprocess.run([sys.executable, "-c", "from fastgen import kernels; print(kernels.load())"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "True", out.stderr
+    assert not (build_dir / "lock").exists()
