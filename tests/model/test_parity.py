@@ -1,4 +1,5 @@
-"""Logits parity with transformers: tiny random Llama/Mistral/Qwen2 and the real SmolLM2 GGUF."""
+"""Logits parity with transformers: tiny random configs of every family (sliding windows shorter
+than the longest sequence) and the real SmolLM2 GGUF."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ TINY = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _tiny_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     return {
         "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
@@ -27,7 +28,20 @@ def _tiny_configs():
             **{**TINY, "num_key_value_heads": 4},
             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
         "mistral": MistralConfig(**TINY, sliding_window=None),
+        # every layer sees its last 13 positions only: windows start inside a block of 4
+        "mistral-window-13": MistralConfig(**TINY, sliding_window=13),
         "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True),
+        # layer 0 global, layer 1 a window of 6; a QKV bias
+        "qwen3-window-bias": Qwen3Config(**TINY, head_dim=16, use_sliding_window=True, sliding_window=6,
+                                         max_window_layers=1, attention_bias=True),
+        # a local layer (window 9, its own RoPE theta) then a global one (linear RoPE scaling),
+        # an attention scale that is not head_dim ** -0.5
+        "gemma3": Gemma3TextConfig(
+            **TINY, head_dim=16, query_pre_attn_scalar=12, sliding_window=9,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}),
     }
 
 
@@ -57,6 +71,7 @@ def test_tiny_model_matches_transformers(name, kind, tmp_path):
                        kernels=_kernels(kind))
     assert model.kernels == kind
     cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
+    assert cfg.layer_windows == _windows(hf_config)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (1, 5, 23, 40, 67)]
     with torch.no_grad():
@@ -67,6 +82,13 @@ def test_tiny_model_matches_transformers(name, kind, tmp_path):
         for logits, want in zip(got, wants):
             torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
     assert all(paths.get(p) for p in ("decode", "fresh", "continuing")), paths
+
+
+def _windows(hf_config) -> tuple[int, ...]:
+    """The windows each test config is meant to have (so that a config that silently lost
+    its window cannot pass as a full-attention model)."""
+    return {13: (13, 13), 6: (0, 6), 9: (9, 0)}.get(getattr(hf_config, "sliding_window", None) or 0, (0, 0)) \
+        if getattr(hf_config, "use_sliding_window", True) else (0, 0)
 
 
 def test_qwen2_has_qkv_bias_and_it_is_loaded(tmp_path):
