@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..config import cache_dir
 from ..errors import ModelLoadError
+from .gguf_file import read_tensors
 from .quant import GGUF_QUANT_TYPES, QuantRows, from_gguf, quantize
 from .registry import family, model_config
 from .spec import ModelConfig
@@ -149,13 +150,13 @@ def iter_gguf_tensors(path: str, cfg: ModelConfig, quant_out: dict[str, QuantRow
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        tensors = read_tensors(path)
     except Exception as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     names = family(cfg.model_type).gguf
     if names is None:
         raise ModelLoadError(f"{cfg.model_type} has no GGUF layout in fastgen; load it from a Hugging Face folder")
-    for t in tqdm(reader.tensors, desc="loading GGUF tensors", unit="tensor", leave=False):
+    for t in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", leave=False):
         qtype = t.tensor_type.name
         if qtype not in GGUF_TYPES:
             raise ModelLoadError(f"{t.name}: GGUF type {qtype} is not supported; supported: {GGUF_TYPES}")
