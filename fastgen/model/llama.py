@@ -105,7 +105,7 @@ class Attention(nn.Module):
         """In place: RMSNorm of every q head and every k head of ``qkv`` (before RoPE)."""
         t, q, kv = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for norm, lo, hi in ((self.q_norm, 0, q), (self.k_norm, q, q + kv)):
-            heads = qkv[:, lo:hi].reshape(-1, self.head_dim)                # [T * heads, D], a copy
+            heads = qkv[:, lo:hi].reshape(-1, self.head_dim).contiguous()   # [T * heads, D], a copy
             qkv[:, lo:hi] = ops.rms_norm(heads, norm.weight, norm.eps).view(t, hi - lo)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:

