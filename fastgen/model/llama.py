@@ -26,13 +26,14 @@ from ..kernels.ops import NativeOps, Ops, TorchOps, native_supported
 from .attention import AttentionBackend, PagedAttention, SdpaAttention
 from .layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
 from .quant import QuantGemvWeight, QuantRows
-from .spec import Family, GgufNames, ModelConfig, eos_ids, layer_windows
+from .spec import Family, GgufNames, ModelConfig, MoeConfig, eos_ids, layer_windows
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def llama_config(hf: Any, *, qkv_bias: bool | None = None, qk_norm: bool = False,
-                 act: str | None = None, attn_scale: float | None = None) -> ModelConfig:
+                 act: str | None = None, attn_scale: float | None = None,
+                 moe: MoeConfig | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a Llama-shaped transformers config (keywords: what a
     family fixes rather than reads)."""
     num_heads = hf.num_attention_heads
@@ -51,7 +52,7 @@ def llama_config(hf: Any, *, qkv_bias: bool | None = None, qk_norm: bool = False
         rms_norm_eps=hf.rms_norm_eps, tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=attention_bias if qkv_bias is None else qkv_bias, o_bias=attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)), hidden_act=act, qk_norm=qk_norm,
-        layer_windows=layer_windows(hf), attn_scale=attn_scale)
+        layer_windows=layer_windows(hf), attn_scale=attn_scale, moe=moe)
 
 
 def rope_parameters(hf: Any, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -122,10 +123,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The gated MLP; ``intermediate_size`` overrides the config's (an expert's, a shared expert's)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter] * 2, bias=cfg.mlp_bias)
+        self.down_proj = RowLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:

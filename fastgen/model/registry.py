@@ -8,6 +8,7 @@ from typing import Any
 from ..errors import ModelLoadError
 from .gemma3 import GEMMA3
 from .llama import LLAMA, QWEN2
+from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from .qwen3 import QWEN3
 from .spec import Family, ModelConfig
 
@@ -17,6 +18,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": QWEN2,
     "qwen3": QWEN3,
     "gemma3_text": GEMMA3,
+    "mixtral": MIXTRAL,
+    "qwen2_moe": QWEN2_MOE,
+    "qwen3_moe": QWEN3_MOE,
 }
 
 

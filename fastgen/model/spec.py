@@ -12,6 +12,18 @@ from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts of a mixture-of-experts family (fastgen/model/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int                     # each routed expert's intermediate size
+    norm_topk_prob: bool                 # renormalise the top-k probabilities to sum to 1
+    shared_expert_size: int = 0          # a shared expert behind a sigmoid gate (Qwen2-MoE); 0: none
+    sparse_layers: tuple[bool, ...] = () # per layer: routed experts (True) or the dense MLP
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The numbers of one model. The engine reads the first block (pool shape, limits, EOS);
     the layers read the rest."""
@@ -37,6 +49,7 @@ class ModelConfig:
     qk_norm: bool = False                # RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = the whole context
     attn_scale: float | None = None      # softmax scale; None = head_dim ** -0.5
+    moe: MoeConfig | None = None         # routed experts in place of the MLP (where sparse_layers says)
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":

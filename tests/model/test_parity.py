@@ -15,7 +15,8 @@ TINY = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _tiny_configs():
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
         "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
@@ -42,6 +43,13 @@ def _tiny_configs():
             layer_types=["sliding_attention", "full_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}}),
+        # 8 experts, 2 per token: most experts get no tokens in a step of a few tokens
+        "mixtral": MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2),
+        # a dense layer (mlp_only_layers), a sparse one with a gated shared expert; top-k not renormalised
+        "qwen2_moe": Qwen2MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+        "qwen3_moe": Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=3,
+                                    moe_intermediate_size=32, norm_topk_prob=True),
     }
 
 
