@@ -57,8 +57,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return Gemma3DecoderLayer(cfg, layer)
 
-    def rope_tables(self, hf_config: Any) -> list[tuple[torch.Tensor, float]]:
-        return [rope_parameters(hf_config, "full_attention"), rope_parameters(hf_config, "sliding_attention")]
+    def rope_tables(self, hf_config: Any, max_positions: int) -> list[tuple[torch.Tensor, float]]:
+        return [rope_parameters(hf_config, kind, max_positions) for kind in ("full_attention", "sliding_attention")]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(token_ids)                            # [T, hidden]

@@ -55,24 +55,38 @@ def llama_config(hf: Any, *, qkv_bias: bool | None = None, qk_norm: bool = False
         layer_windows=layer_windows(hf), attn_scale=attn_scale, moe=moe)
 
 
-def rope_parameters(hf: Any, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def rope_parameters(hf: Any, layer_type: str | None = None, max_positions: int | None = None,
+                    ) -> tuple[torch.Tensor, float]:
     """``(inv_freq, attention_scaling)`` for the config's RoPE, via transformers' own functions.
-    ``layer_type``: the key of per-layer-type RoPE parameters (Gemma 3's local and global layers)."""
+    ``layer_type``: the key of per-layer-type RoPE parameters (Gemma 3's local and global layers).
+    ``max_positions``: the longest context served (LongRoPE's factors depend on it)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     if layer_type is not None:
         params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if partial != 1.0:   # the RoPE ops rotate whole heads
+        raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        dim = int(dim * params.get("partial_rotary_factor", 1.0))
         inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0
-    if rope_type in ("dynamic", "longrope") or rope_type not in ROPE_INIT_FUNCTIONS:
+    if rope_type == "longrope":
+        # transformers uses the short factors while a sequence is within the original context and
+        # switches to the long ones past it (for the whole sequence, keys already cached
+        # included); a KV cache cannot follow that switch, so serve within the original context
+        original = (params.get("original_max_position_embeddings")
+                    or getattr(hf, "original_max_position_embeddings", None) or hf.max_position_embeddings)
+        if max_positions is not None and max_positions > original:
+            raise ModelLoadError(f"LongRoPE switches to its long factors past original_max_position_embeddings="
+                                 f"{original}, which a KV cache cannot follow; set max_model_len <= {original} "
+                                 f"(asked for {max_positions})")
+    elif rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (its frequencies change "
-                             f"with the sequence length); supported: default, linear, llama3, yarn")
+                             f"with the sequence length); supported: default, linear, llama3, yarn, longrope")
     extra = {} if layer_type is None else {"layer_type": layer_type}
     inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
     return inv, float(scaling)
@@ -187,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ropes = nn.ModuleList(RotaryEmbedding(inv_freq, scaling, max_positions)
-                                   for inv_freq, scaling in self.rope_tables(hf_config))
+                                   for inv_freq, scaling in self.rope_tables(hf_config, max_positions))
         self.head: Linear | None = None  # output projection; set by prepare()
         self._embed_quant = None         # the tied embedding's QuantRows (GGUF), for the head
         self.ops: Ops = TorchOps()
@@ -196,9 +210,9 @@ class LlamaForCausalLM(nn.Module):
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return DecoderLayer(cfg, layer)
 
-    def rope_tables(self, hf_config: Any) -> list[tuple[torch.Tensor, float]]:
+    def rope_tables(self, hf_config: Any, max_positions: int) -> list[tuple[torch.Tensor, float]]:
         """``(inv_freq, attention_scaling)`` of each RoPE table; a layer's ``rope_index`` picks one."""
-        return [rope_parameters(hf_config)]
+        return [rope_parameters(hf_config, max_positions=max_positions)]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)                         # [T, hidden]
@@ -323,6 +337,10 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 params[name].copy_(tensor)
             loaded.add(name)
+            module_name, _, kind = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, ColumnLinear):   # shipped fused (Phi-3's qkv_proj, gate_up_proj)
+                loaded.update(f"{name}#{i}" for i in range(module.num_parts))
         expected = set()
         for pname, p in params.items():
             module_name, _, kind = pname.rpartition(".")

@@ -9,6 +9,7 @@ from ..errors import ModelLoadError
 from .gemma3 import GEMMA3
 from .llama import LLAMA, QWEN2
 from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from .phi3 import PHI3
 from .qwen3 import QWEN3
 from .spec import Family, ModelConfig
 
@@ -21,6 +22,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": MIXTRAL,
     "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": QWEN3_MOE,
+    "phi3": PHI3,
 }
 
 

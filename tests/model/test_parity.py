@@ -15,8 +15,8 @@ TINY = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _tiny_configs():
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
         "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
@@ -48,6 +48,12 @@ def _tiny_configs():
         # a dense layer (mlp_only_layers), a sparse one with a gated shared expert; top-k not renormalised
         "qwen2_moe": Qwen2MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+        # fused qkv/gate_up in the checkpoint; LongRoPE within the original context of 128
+        "phi3-longrope": Phi3Config(
+            **{**TINY, "max_position_embeddings": 512}, original_max_position_embeddings=128, pad_token_id=0,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                             "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                             "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
         "qwen3_moe": Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=3,
                                     moe_intermediate_size=32, norm_topk_prob=True),
     }
@@ -75,11 +81,11 @@ def test_tiny_model_matches_transformers(name, kind, tmp_path):
             p.add_(torch.randn_like(p) * 0.05)
     ref.save_pretrained(tmp_path)
 
-    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"), max_positions=256,
-                       kernels=_kernels(kind))
-    assert model.kernels == kind
     cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
     assert cfg.layer_windows == _windows(hf_config)
+    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"),
+                       max_positions=min(256, cfg.max_position_embeddings), kernels=_kernels(kind))
+    assert model.kernels == kind
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (1, 5, 23, 40, 67)]
     with torch.no_grad():
@@ -97,6 +103,18 @@ def _windows(hf_config) -> tuple[int, ...]:
     its window cannot pass as a full-attention model)."""
     return {13: (13, 13), 6: (0, 6), 9: (9, 0)}.get(getattr(hf_config, "sliding_window", None) or 0, (0, 0)) \
         if getattr(hf_config, "use_sliding_window", True) else (0, 0)
+
+
+def test_longrope_is_served_within_its_original_context_only(tmp_path):
+    from fastgen.errors import ModelLoadError
+
+    hf_config = _tiny_configs()["phi3-longrope"]
+    assert ModelConfig.from_hf(hf_config).max_position_embeddings == 128   # the default max_model_len
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="max_model_len <= 128"):
+        load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"), max_positions=129)
 
 
 def test_qwen2_has_qkv_bias_and_it_is_loaded(tmp_path):
