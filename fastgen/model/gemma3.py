@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batch import RaggedBatch
 from ..errors import ModelLoadError
 from .layers import RMSNorm
 from .llama import QK_NORM_GGUF, DecoderLayer, LlamaForCausalLM, Step, llama_config, rope_parameters
@@ -60,8 +61,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def rope_tables(self, hf_config: Any, max_positions: int) -> list[tuple[torch.Tensor, float]]:
         return [rope_parameters(hf_config, kind, max_positions) for kind in ("full_attention", "sliding_attention")]
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(token_ids)                            # [T, hidden]
+    def embed(self, batch: RaggedBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.token_ids)                      # [T, hidden]
         return x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:

@@ -214,8 +214,8 @@ class LlamaForCausalLM(nn.Module):
         """``(inv_freq, attention_scaling)`` of each RoPE table; a layer's ``rope_index`` picks one."""
         return [rope_parameters(hf_config, max_positions=max_positions)]
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids)                         # [T, hidden]
+    def embed(self, batch: RaggedBatch) -> torch.Tensor:
+        return self.embed_tokens(batch.token_ids)                   # [T, hidden]
 
     def prepare(self, kernels: str = "torch", int8_activations: bool = False) -> None:
         """After loading and moving: give every linear layer its weight format, pick the
@@ -252,10 +252,13 @@ class LlamaForCausalLM(nn.Module):
     def kernels(self) -> str:
         return self.ops.name
 
+    def step(self, batch: RaggedBatch, pool: KVPool) -> Step:
+        return Step(batch, pool, self.attention.plan(batch), self.ops, self.attention, tuple(self.ropes))
+
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
-        step = Step(batch, pool, self.attention.plan(batch), self.ops, self.attention, tuple(self.ropes))
-        residual = self.embed(batch.token_ids)                     # [T, hidden]
+        step = self.step(batch, pool)
+        residual = self.embed(batch)                               # [T, hidden]
         first = self.layers[0].input_layernorm
         x = self.ops.rms_norm(residual, first.weight, first.eps)
         for i, layer in enumerate(self.layers):

@@ -9,6 +9,7 @@ from ..errors import ModelLoadError
 from .gemma3 import GEMMA3
 from .llama import LLAMA, QWEN2
 from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from .opt import OPT
 from .phi3 import PHI3
 from .qwen3 import QWEN3
 from .spec import Family, ModelConfig
@@ -23,6 +24,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": QWEN3_MOE,
     "phi3": PHI3,
+    "opt": OPT,
 }
 
 

@@ -45,7 +45,7 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    hidden_act: str                      # "silu" or "gelu_pytorch_tanh"
+    hidden_act: str                      # "silu" or "gelu_pytorch_tanh" (gated); "relu" (OPT)
     qk_norm: bool = False                # RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = the whole context
     attn_scale: float | None = None      # softmax scale; None = head_dim ** -0.5

@@ -15,7 +15,7 @@ TINY = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _tiny_configs():
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
@@ -54,6 +54,9 @@ def _tiny_configs():
             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
                              "short_factor": [1.0 + 0.1 * i for i in range(8)],
                              "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+        # learned positions, LayerNorm, multi-head attention, ReLU MLP, biases
+        "opt": OPTConfig(vocab_size=257, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=256, word_embed_proj_dim=64),
         "qwen3_moe": Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=3,
                                     moe_intermediate_size=32, norm_topk_prob=True),
     }
