@@ -78,3 +78,33 @@ def _installed(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_k_quant_and_q5_tensors_load_dequantized(qtype, tmp_path):
+    """A GGUF tensor of each K-quant and Q5 type comes out of the loader as the `gguf` package
+    dequantizes it, under its HF name (super-blocks of 256 weights for the K-quants)."""
+    import gguf
+    import numpy as np
+
+    from fastgen.model.loader import iter_gguf_tensors
+    from fastgen.model.spec import ModelConfig
+    from transformers import LlamaConfig
+
+    t = gguf.GGMLQuantizationType[qtype]
+    block, type_size = gguf.GGML_QUANT_SIZES[t]
+    rows, cols = 4, 512
+    # bytes below 64: every fp16 scale they form is finite (its exponent is below 31)
+    raw = np.random.default_rng(0).integers(0, 64, (rows, cols // block * type_size), dtype=np.uint8)
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=t)   # raw: [rows, bytes]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg = ModelConfig.from_hf(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1))
+    [(name, w)] = list(iter_gguf_tensors(path, cfg))
+    assert name == "model.layers.0.mlp.down_proj.weight" and w.shape == (rows, cols)
+    want = gguf.quants.dequantize(raw, t)
+    assert np.array_equal(w.numpy(), want, equal_nan=True) and np.isfinite(want).all()
