@@ -10,6 +10,7 @@ from .gemma3 import GEMMA3
 from .llama import LLAMA, QWEN2
 from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from .opt import OPT
+from .phi import PHI
 from .phi3 import PHI3
 from .qwen3 import QWEN3
 from .spec import Family, ModelConfig
@@ -25,6 +26,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": QWEN3_MOE,
     "phi3": PHI3,
     "opt": OPT,
+    "phi": PHI,
 }
 
 

@@ -15,7 +15,7 @@ TINY = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def _tiny_configs():
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config, PhiConfig,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
@@ -57,6 +57,11 @@ def _tiny_configs():
         # learned positions, LayerNorm, multi-head attention, ReLU MLP, biases
         "opt": OPTConfig(vocab_size=257, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
                          max_position_embeddings=256, word_embed_proj_dim=64),
+        # parallel attention and MLP, 6 of 16 head dims rotated, biases (and on the head)
+        "phi": PhiConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.375}),
         "qwen3_moe": Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=3,
                                     moe_intermediate_size=32, norm_topk_prob=True),
     }
