@@ -24,7 +24,7 @@ from ..cache import KVPool
 from ..errors import ModelLoadError
 from ..kernels.ops import NativeOps, Ops, TorchOps, native_supported
 from .attention import AttentionBackend, PagedAttention, SdpaAttention
-from .layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
+from .layers import ColumnLinear, LayerNorm, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
 from .quant import QuantGemvWeight, QuantRows
 from .spec import Family, GgufNames, ModelConfig, MoeConfig, eos_ids, layer_windows
 
@@ -355,6 +355,24 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+class LayerNormCausalLM(LlamaForCausalLM):
+    """Families whose layers are plain residual blocks over LayerNorm (OPT, Phi-2, Falcon): a
+    layer is ``forward(x, step) -> x``, and the final norm is a LayerNorm applied to the rows
+    that produce logits."""
+
+    def __init__(self, cfg: ModelConfig, hf_config: Any, max_positions: int) -> None:
+        super().__init__(cfg, hf_config, max_positions)
+        self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
+        step = self.step(batch, pool)
+        x = self.embed(batch)                                      # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, step)
+        return self.head(self.norm(x[batch.logits_indices])).float()   # [num_logits, vocab]
 
 
 _TOP_GGUF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch import RaggedBatch
-from ..cache import KVPool
 from ..errors import ModelLoadError
-from .layers import ColumnLinear, RowLinear
-from .llama import Attention, LlamaForCausalLM, Step
+from .layers import ColumnLinear, LayerNorm, RowLinear
+from .llama import Attention, LayerNormCausalLM, Step
 from .spec import Family, ModelConfig, eos_ids
 
 POSITION_OFFSET = 2
@@ -49,17 +48,6 @@ def opt_config(hf: Any) -> ModelConfig:
         hidden_act="relu", layer_windows=(0,) * hf.num_hidden_layers)
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
 class OptDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -74,10 +62,9 @@ class OptDecoderLayer(nn.Module):
         return x + self.fc2(F.relu(self.fc1(self.final_layer_norm(x))))
 
 
-class OptForCausalLM(LlamaForCausalLM):
+class OptForCausalLM(LayerNormCausalLM):
     def __init__(self, cfg: ModelConfig, hf_config: Any, max_positions: int) -> None:
         super().__init__(cfg, hf_config, max_positions)
-        self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)            # the decoder's final norm
         num = hf_config.max_position_embeddings + POSITION_OFFSET
         self.embed_positions = nn.Embedding(num, cfg.hidden_size, _weight=torch.empty(num, cfg.hidden_size))
 
@@ -95,14 +82,6 @@ class OptForCausalLM(LlamaForCausalLM):
         if name.startswith("final_layer_norm."):
             name = "norm." + name.removeprefix("final_layer_norm.")
         return name, tensor
-
-    @torch.inference_mode()
-    def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
-        step = self.step(batch, pool)
-        x = self.embed(batch)                                      # [T, hidden]
-        for layer in self.layers:
-            x = layer(x, step)
-        return self.head(self.norm(x[batch.logits_indices])).float()   # [num_logits, vocab]
 
 
 OPT = Family(OptForCausalLM, opt_config)

@@ -17,12 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..batch import RaggedBatch
-from ..cache import KVPool
 from ..errors import ModelLoadError
-from .layers import ColumnLinear, RowLinear
-from .llama import Attention, LlamaForCausalLM, Step
-from .opt import LayerNorm
+from .layers import ColumnLinear, LayerNorm, RowLinear
+from .llama import Attention, LayerNormCausalLM, Step
 from .spec import Family, ModelConfig, eos_ids, layer_windows
 
 
@@ -73,10 +70,9 @@ class PhiDecoderLayer(nn.Module):
         return self.self_attn(h, step) + self.fc2(F.gelu(self.fc1(h), approximate="tanh")) + x
 
 
-class PhiForCausalLM(LlamaForCausalLM):
+class PhiForCausalLM(LayerNormCausalLM):
     def __init__(self, cfg: ModelConfig, hf_config: Any, max_positions: int) -> None:
         super().__init__(cfg, hf_config, max_positions)
-        self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)      # final_layernorm
         if not cfg.tie_word_embeddings:
             self.lm_head = RowLinear(cfg.hidden_size, cfg.vocab_size, bias=True)
         self.perm = head_permutation(cfg.head_dim, rotary_dims(hf_config, cfg.head_dim))
@@ -100,14 +96,6 @@ class PhiForCausalLM(LlamaForCausalLM):
             rows = tensor.reshape(-1, d, *tensor.shape[1:])                 # [heads, D, (hidden)]
             tensor = rows[:, self.perm].reshape(tensor.shape)
         return name, tensor
-
-    @torch.inference_mode()
-    def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
-        step = self.step(batch, pool)
-        x = self.embed(batch)                                      # [T, hidden]
-        for layer in self.layers:
-            x = layer(x, step)
-        return self.head(self.norm(x[batch.logits_indices])).float()   # [num_logits, vocab]
 
 
 PHI = Family(PhiForCausalLM, phi_config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ModelLoadError
+from .falcon import FALCON
 from .gemma3 import GEMMA3
 from .llama import LLAMA, QWEN2
 from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
@@ -27,6 +28,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": PHI3,
     "opt": OPT,
     "phi": PHI,
+    "falcon": FALCON,
 }
 
 

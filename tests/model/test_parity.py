@@ -13,9 +13,12 @@ from .ragged import ragged_logits
 TINY = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
+FALCON = dict(vocab_size=257, hidden_size=64, ffn_hidden_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, alibi=False)
+
 
 def _tiny_configs():
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config, PhiConfig,
+    from transformers import (FalconConfig, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config, PhiConfig,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
@@ -62,6 +65,12 @@ def _tiny_configs():
                          num_attention_heads=4, max_position_embeddings=256,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                           "partial_rotary_factor": 0.375}),
+        # Falcon-7B's shape: multi-query, attention and MLP in parallel on one LayerNorm, no biases
+        "falcon-7b-shape": FalconConfig(**FALCON, multi_query=True, parallel_attn=True, bias=False),
+        # the new architecture: 2 KV heads, their q heads interleaved per group, two LayerNorms, biases
+        "falcon-new-arch": FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=2, bias=True),
+        # multi-head, sequential attention then MLP
+        "falcon-sequential": FalconConfig(**FALCON, multi_query=False, parallel_attn=False, bias=True),
         "qwen3_moe": Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=3,
                                     moe_intermediate_size=32, norm_topk_prob=True),
     }
