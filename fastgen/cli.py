@@ -107,7 +107,7 @@ def _add_serve_parser(sub) -> None:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and fastgen's own /generate)")
     serve.add_argument("model", nargs="?", default=None,
-                       help="HF model folder or .gguf file (default: embedded SmolLM2)")
+                       help="HF model folder, .gguf file or packaged model name (gemma3-270m); default: embedded SmolLM2")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--served-model-name", default=None,
@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt with an in-process engine")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded SmolLM2)")
+    gen.add_argument("--model", default=None,
+                     help="HF model folder, .gguf file or packaged model name (gemma3-270m); default: embedded SmolLM2")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print text as it is generated (default on)")

@@ -54,17 +54,21 @@ class TorchOps:
 
     def __init__(self) -> None:
         self._positions: torch.Tensor | None = None    # the step whose tables are cached
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tables: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _rope_tables(self, positions, cos, sin, dtype):
         """cos and sign-folded sin ``[T, 1, D]`` for the step's positions, built once per step
-        (the step's positions tensor is held, so a new step's cannot share its identity)."""
-        if positions is not self._positions or self._tables is None or self._tables[0].dtype != dtype:
+        and RoPE table (Gemma 3's local and global layers have one each; the step's positions
+        tensor is held, so a new step's cannot share its identity)."""
+        if positions is not self._positions:
+            self._positions, self._tables = positions, {}
+        key = (id(cos), dtype)
+        if key not in self._tables:
             c = cos[positions].to(dtype).unsqueeze(1)
             s = sin[positions].to(dtype).unsqueeze(1)
             half = s.shape[-1] // 2
-            self._positions, self._tables = positions, (c, torch.cat((-s[..., :half], s[..., half:]), dim=-1))
-        return self._tables
+            self._tables[key] = (c, torch.cat((-s[..., :half], s[..., half:]), dim=-1))
+        return self._tables[key]
 
     def rope_write_kv(self, qkv, positions, cos, sin, slots, pool, layer, num_heads, num_kv_heads, head_dim):
         t, h, kvh, d = qkv.shape[0], num_heads, num_kv_heads, head_dim

@@ -2,7 +2,10 @@
 
 A backend gets the step's :class:`~fastgen.batch.RaggedBatch` once (``plan``), builds the
 metadata it needs, and is then called per layer with the rotated q, k, v of every token
-(k and v already stored in the pool).
+(k and v already stored in the pool) and the layer's sliding window: with ``window`` > 0
+the query at position p sees the keys at positions p - window + 1 .. p only (Mistral,
+Gemma 3's local layers; transformers' ``kv_idx > q_idx - sliding_window``), with 0 the
+whole context.
 
 - :class:`SdpaAttention` (any device): decodes in padded, masked SDPA calls, one per group
   of similar context length; a chunk from position 0 attends its fresh keys (causal SDPA);
@@ -17,7 +20,7 @@ metadata it needs, and is then called per layer with the rotated q, k, v of ever
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,9 @@ class ChunkPlan:
     start_pos: int
     block_table: torch.Tensor        # [num_blocks] int64, device
     mask: torch.Tensor | None        # [1, 1, num_q, num_blocks * block_size] additive; None when start_pos == 0
+    # sliding window -> its mask, same shape as ``mask`` (or [1, 1, num_q, num_q] over the
+    # chunk's own keys when start_pos == 0; None there while the chunk fits in the window)
+    window_masks: Mapping[int, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class DecodeGroup:
     num_seqs: int
     block_tables: torch.Tensor       # [num_seqs, max_blocks] int64 (padded with block 0)
     mask: torch.Tensor               # [num_seqs, 1, 1, max_blocks * block_size] additive (0 / -inf)
+    window_masks: Mapping[int, torch.Tensor]   # sliding window -> its mask, same shape
 
 
 @dataclass(frozen=True)
@@ -67,8 +74,9 @@ class AttentionBackend(Protocol):
         """Per-step metadata, built once for every layer."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any,
-                 pool: KVPool, scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] (rotated, already in the pool). Returns [T, H, D]."""
+                 pool: KVPool, scale: float, window: int = 0) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (rotated, already in the pool). Returns [T, H, D].
+        ``window``: the layer's sliding window (0: none), one of the backend's ``windows``."""
 
 
 def decode_group_sizes(num_blocks: list[int]) -> list[int]:
@@ -97,46 +105,53 @@ def _long(x: list, device: torch.device) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.long, device=device)
 
 
-def _chunk_plans(batch: RaggedBatch, dtype: torch.dtype, device: torch.device) -> tuple[ChunkPlan, ...]:
+def _chunk_plans(batch: RaggedBatch, dtype: torch.dtype, device: torch.device,
+                 windows: tuple[int, ...]) -> tuple[ChunkPlan, ...]:
     chunks = []
     bs = batch.block_size
     for s in range(batch.num_decodes, batch.num_seqs):
         q_start, n = batch.q_starts[s], batch.q_starts[s + 1] - batch.q_starts[s]
         start, blocks = batch.start_pos[s], batch.block_tables[s]
-        mask = None
-        if start > 0:
-            key_pos = torch.arange(len(blocks) * bs, device=device)
-            q_pos = torch.arange(start, start + n, device=device)
-            mask = _additive(key_pos[None, :] <= q_pos[:, None], dtype).view(1, 1, n, -1)
-        chunks.append(ChunkPlan(q_start, n, start, _long(list(blocks), device), mask))
+        q_pos = torch.arange(start, start + n, device=device)[:, None]
+        # keys: the chunk's own (from position 0) or every gathered block (continuing)
+        key_pos = torch.arange(n if start == 0 else len(blocks) * bs, device=device)[None, :]
+        causal = key_pos <= q_pos
+        mask = None if start == 0 else _additive(causal, dtype).view(1, 1, n, -1)
+        window_masks = {w: None if start == 0 and n <= w else
+                        _additive(causal & (key_pos > q_pos - w), dtype).view(1, 1, n, -1) for w in windows}
+        chunks.append(ChunkPlan(q_start, n, start, _long(list(blocks), device), mask, window_masks))
     return tuple(chunks)
 
 
-def _attend_chunk(layer: int, q, k, v, c: ChunkPlan, pool: KVPool, scale: float, gqa: bool) -> torch.Tensor:
+def _attend_chunk(layer: int, q, k, v, c: ChunkPlan, pool: KVPool, scale: float, gqa: bool,
+                  window: int) -> torch.Tensor:
     """One chunk's attention output ``[n, H, D]``."""
     qs = q[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    if c.mask is None:
+    mask = c.window_masks[window] if window else c.mask
+    if c.start_pos == 0:
         ks = k[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)
         vs = v[c.q_start:c.q_start + c.num_q].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=gqa)
     else:
         kc, vc = pool.gather(layer, c.block_table.unsqueeze(0))  # [1, L, KVH, D]
         o = F.scaled_dot_product_attention(
-            qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=c.mask, scale=scale, enable_gqa=gqa)
+            qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)
 
 
 def _attend_chunks(out: torch.Tensor, layer: int, q, k, v, chunks: tuple[ChunkPlan, ...], pool: KVPool,
-                   scale: float, gqa: bool) -> None:
+                   scale: float, gqa: bool, window: int) -> None:
     for c in chunks:
-        out[c.q_start:c.q_start + c.num_q] = _attend_chunk(layer, q, k, v, c, pool, scale, gqa)
+        out[c.q_start:c.q_start + c.num_q] = _attend_chunk(layer, q, k, v, c, pool, scale, gqa, window)
 
 
 class SdpaAttention:
     name = "sdpa"
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, windows: tuple[int, ...] = ()) -> None:
         self.dtype, self.device = dtype, device
+        self.windows = tuple(sorted({w for w in windows if w > 0}))   # a mask per window, per step
 
     def plan(self, batch: RaggedBatch) -> SdpaPlan:
         bs, dev = batch.block_size, self.device
@@ -148,25 +163,28 @@ class SdpaAttention:
             lens = [p + 1 for p in batch.start_pos[start:start + size]]
             width = max(len(b) for b in group)
             key_pos = torch.arange(width * bs, device=dev)
-            mask = _additive(key_pos[None, :] < _long(lens, dev)[:, None], self.dtype).view(size, 1, 1, -1)
+            seq_len = _long(lens, dev)[:, None]
+            mask = _additive(key_pos[None, :] < seq_len, self.dtype).view(size, 1, 1, -1)
+            window_masks = {w: _additive((key_pos[None, :] < seq_len) & (key_pos[None, :] >= seq_len - w),
+                                         self.dtype).view(size, 1, 1, -1) for w in self.windows}
             groups.append(DecodeGroup(start, size, _long([list(b) + [0] * (width - len(b)) for b in group], dev),
-                                      mask))
+                                      mask, window_masks))
             start += size
-        return SdpaPlan(tuple(groups), _chunk_plans(batch, self.dtype, dev))
+        return SdpaPlan(tuple(groups), _chunk_plans(batch, self.dtype, dev, self.windows))
 
-    def __call__(self, layer, q, k, v, plan: SdpaPlan, pool, scale):
+    def __call__(self, layer, q, k, v, plan: SdpaPlan, pool, scale, window=0):
         gqa = q.shape[1] != k.shape[1]
         if not plan.decode_groups and len(plan.chunks) == 1:  # one part: no scratch output
-            return _attend_chunk(layer, q, k, v, plan.chunks[0], pool, scale, gqa)
+            return _attend_chunk(layer, q, k, v, plan.chunks[0], pool, scale, gqa, window)
         out = torch.empty_like(q)
         for g in plan.decode_groups:
             kc, vc = pool.gather(layer, g.block_tables)                  # [n, L, KVH, D]
             o = F.scaled_dot_product_attention(
                 q[g.q_start:g.q_start + g.num_seqs].unsqueeze(2),        # [n, H, 1, D]
                 kc.transpose(1, 2), vc.transpose(1, 2),                   # [n, KVH, L, D]
-                attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+                attn_mask=g.window_masks[window] if window else g.mask, scale=scale, enable_gqa=gqa)
             out[g.q_start:g.q_start + g.num_seqs] = o.squeeze(2)
-        _attend_chunks(out, layer, q, k, v, plan.chunks, pool, scale, gqa)
+        _attend_chunks(out, layer, q, k, v, plan.chunks, pool, scale, gqa, window)
         return out
 
 
@@ -175,8 +193,8 @@ class PagedAttention:
 
     name = "paged"
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.device = device            # dtype: the pool's and q's, read by the kernel
+    def __init__(self, dtype: torch.dtype, device: torch.device, windows: tuple[int, ...] = ()) -> None:
+        self.device = device            # dtype: the pool's and q's, read by the kernel; windows: any
         self._kernel = torch.ops.fastgen.paged_attention
 
     def plan(self, batch: RaggedBatch) -> PagedPlan:
@@ -187,6 +205,6 @@ class PagedAttention:
                             dtype=torch.int32).to(self.device)
         return PagedPlan(ints[:ns + 1], ints[ns + 1:2 * ns + 1], ints[2 * ns + 1:].view(ns, width))
 
-    def __call__(self, layer, q, k, v, plan: PagedPlan, pool, scale):
+    def __call__(self, layer, q, k, v, plan: PagedPlan, pool, scale, window=0):
         return self._kernel(q.contiguous(), pool.keys[layer], pool.values[layer], plan.q_starts,
-                            plan.start_pos, plan.block_tables, scale)
+                            plan.start_pos, plan.block_tables, scale, window)

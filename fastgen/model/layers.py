@@ -224,6 +224,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and a bias (OPT, Phi-2, Falcon); no fused kernel, ``F.layer_norm``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables ``[max_positions, head_dim]`` (fp32) for every position, built once.
 

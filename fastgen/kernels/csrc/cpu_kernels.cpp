@@ -385,7 +385,8 @@ inline void pv4_bf16(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t
 template <typename T, int64_t DC>
 void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                  const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h, int64_t kvh,
-                 int64_t d_runtime, int64_t bs, float scale, std::vector<float>& acc, std::vector<Partial>& ml,
+                 int64_t d_runtime, int64_t bs, float scale, int64_t window, std::vector<float>& acc,
+                 std::vector<Partial>& ml,
                  std::vector<float>& qf, std::vector<float>& kf, std::vector<float>& vf,
                  std::vector<float>& scores, std::vector<uint32_t>& qw, std::vector<uint32_t>& kw,
                  std::vector<uint32_t>& vw, std::vector<uint32_t>& pw) {
@@ -393,16 +394,19 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
   const int64_t group = h / kvh, s = item.seq, kv = item.kv;
   const int64_t nq_all = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
   const bool decode = nq_all == 1;
-  // this item's queries [qa, qb) (relative to the sequence) and key blocks [b0, b1)
+  // this item's queries [qa, qb) (relative to the sequence) and key blocks [b0, b1). With a
+  // sliding window (window > 0) the query at position p sees keys p - window + 1 .. p only,
+  // so blocks wholly before the tile's first query's window are skipped
   int64_t qa = 0, qb = nq_all, b0, b1;
+  auto first_visible = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
   if (decode) {
-    const int64_t nblk = (p0 + 1 + bs - 1) / bs;
-    b0 = nblk * item.part / item.num_parts;
-    b1 = nblk * (item.part + 1) / item.num_parts;
+    const int64_t fb = first_visible(p0) / bs, nblk = (p0 + 1 + bs - 1) / bs;
+    b0 = fb + (nblk - fb) * item.part / item.num_parts;
+    b1 = fb + (nblk - fb) * (item.part + 1) / item.num_parts;
   } else {
     qa = item.part * kQueryTile;
     qb = std::min(nq_all, qa + kQueryTile);
-    b0 = 0;
+    b0 = first_visible(p0 + qa) / bs;
     b1 = (p0 + qb - 1) / bs + 1;  // the tile's last query sees keys up to p0 + qb - 1
   }
   const int64_t rows = (qb - qa) * group;  // row r: query qa + r / group, head kv * group + r % group
@@ -425,21 +429,21 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
       for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(src, i) * scale;
     }
   }
-  // one row's online-softmax update over this block's scores sc[0..visible); sc becomes the
-  // probabilities (0 past visible, up to bs)
-  auto softmax_row = [&](int64_t r, float* sc, int64_t visible) {
-    if (visible <= 0) {
+  // one row's online-softmax update over this block's scores sc[from..visible); sc becomes the
+  // probabilities (0 outside, up to bs)
+  auto softmax_row = [&](int64_t r, float* sc, int64_t from, int64_t visible) {
+    if (visible <= from) {
       for (int64_t j = 0; j < bs; ++j) sc[j] = 0.f;
       return;
     }
     float mx = ml[r].m;
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
+    for (int64_t j = from; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
     const float corr = fast_exp(ml[r].m - mx);
     float l = 0.f;
 #pragma omp simd reduction(+ : l)
     for (int64_t j = 0; j < bs; ++j) {
-      const float pj = j < visible ? fast_exp(sc[j] - mx) : 0.f;
+      const float pj = j >= from && j < visible ? fast_exp(sc[j] - mx) : 0.f;
       sc[j] = pj;
       l += pj;
     }
@@ -478,7 +482,9 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
           float* sc = sc4 + rr * bs;
 #pragma omp simd
           for (int64_t j = 0; j < bs; ++j) sc[j] *= scale;
-          softmax_row(r, sc, std::min(n, p0 + qa + r / group - first_key + 1));
+          const int64_t pos = p0 + qa + r / group;
+          softmax_row(r, sc, std::max<int64_t>(0, first_visible(pos) - first_key),
+                      std::min(n, pos - first_key + 1));
           for (int64_t jb = 0; jb < bs; jb += 32) {
             const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + jb + 16), _mm512_loadu_ps(sc + jb));
             _mm512_storeu_si512(pw.data() + r * half + jb / 2, (__m512i)pb);
@@ -511,7 +517,9 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
         qk4(qf.data() + r_first * d, d, kf.data(), bs, sc4);
         for (int64_t rr = 0; rr < 4; ++rr) {
           const int64_t r = r_first + rr;
-          softmax_row(r, sc4 + rr * bs, std::min(n, p0 + qa + r / group - first_key + 1));
+          const int64_t pos = p0 + qa + r / group;
+          softmax_row(r, sc4 + rr * bs, std::max<int64_t>(0, first_visible(pos) - first_key),
+                      std::min(n, pos - first_key + 1));
         }
         pv4(sc4, bs, n, vf.data(), d, acc.data() + r_first * d);
       }
@@ -519,7 +527,8 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
     for (int64_t r = r_first; r < rows; ++r) {
       const int64_t pos = p0 + qa + r / group;
       const int64_t visible = std::min(n, pos - first_key + 1);
-      if (visible <= 0) continue;
+      const int64_t from = std::max<int64_t>(0, first_visible(pos) - first_key);
+      if (visible <= from) continue;
       const float* qr = qf.data() + r * d;
       float* sc = scores.data();
       if (many) {
@@ -532,7 +541,7 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
           for (int64_t j = 0; j < bs; ++j) sc[j] += qv * kt[j];
         }
       } else {
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j = from; j < visible; ++j) {
           const float* kj = kf.data() + j * d;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -541,18 +550,18 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
         }
       }
       float mx = ml[r].m;
-      for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, sc[j]);
+      for (int64_t j = from; j < visible; ++j) mx = std::max(mx, sc[j]);
       const float corr = fast_exp(ml[r].m - mx);
       float l = 0.f;
 #pragma omp simd reduction(+ : l)
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = from; j < visible; ++j) {
         sc[j] = fast_exp(sc[j] - mx);
         l += sc[j];
       }
       float* ar = acc.data() + r * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = from; j < visible; ++j) {
         const float pj = sc[j];
         const float* vj = vf.data() + j * d;
 #pragma omp simd
@@ -569,13 +578,15 @@ template <typename T, int64_t DC>
 void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                           const int32_t* start_pos, const int32_t* tables, int64_t max_blocks,
                           int64_t num_seqs, int64_t h, int64_t kvh, int64_t d_runtime, int64_t bs,
-                          float scale, int64_t num_threads, T* out) {
+                          float scale, int64_t window, int64_t num_threads, T* out) {
   const int64_t d = DC > 0 ? DC : d_runtime;
   const int64_t group = h / kvh;
   // decode key splits: enough items to keep every thread busy when decodes are few
+  // a decode reads its last `window` keys only (window > 0), so it is split by those
+  auto num_keys = [&](int64_t s) { return window > 0 ? std::min<int64_t>(window, start_pos[s] + 1) : start_pos[s] + 1; };
   int64_t decode_keys = 0, num_decodes = 0;
   for (int64_t s = 0; s < num_seqs; ++s)
-    if (q_starts[s + 1] - q_starts[s] == 1) decode_keys += start_pos[s] + 1, ++num_decodes;
+    if (q_starts[s + 1] - q_starts[s] == 1) decode_keys += num_keys(s), ++num_decodes;
   const int64_t target_items = 4 * num_threads;
   std::vector<Item> items;
   std::vector<int64_t> first_item(num_seqs);
@@ -584,10 +595,10 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     first_item[s] = static_cast<int64_t>(items.size());
     int64_t parts;
     if (nq == 1) {
-      const int64_t nblk = (start_pos[s] + 1 + bs - 1) / bs;
+      const int64_t nblk = (num_keys(s) + bs - 1) / bs;
       int64_t want = 1;
       if (num_decodes * kvh < target_items)
-        want = std::max<int64_t>(1, (target_items * (start_pos[s] + 1)) / (decode_keys * kvh));
+        want = std::max<int64_t>(1, (target_items * num_keys(s)) / (decode_keys * kvh));
       parts = std::min<int64_t>(want, std::max<int64_t>(1, nblk / 2));
     } else {
       parts = (nq + kQueryTile - 1) / kQueryTile;
@@ -624,7 +635,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       const int64_t rows = (qb - qa) * group;
       pw.resize((rows + 3) / 4 * 4 * bs / 2);
       attend_item<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
-                         acc, ml, qf, kf, vf, scores, qw, kw, vw, pw);
+                         window, acc, ml, qf, kf, vf, scores, qw, kw, vw, pw);
       if (decode && item.num_parts > 1) {
         std::memcpy(part_acc.data() + part_off[it] * d, acc.data(), rows * d * sizeof(float));
         std::copy(ml.begin(), ml.begin() + rows, part_ml.begin() + part_off[it]);
@@ -671,21 +682,22 @@ template <typename T>
 void paged_attention_dispatch(const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                               const int32_t* start_pos, const int32_t* tables, int64_t max_blocks,
                               int64_t num_seqs, int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale,
-                              int64_t threads, T* out) {
+                              int64_t window, int64_t threads, T* out) {
   if (d == 64)
     paged_attention_impl<T, 64>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
-                                bs, scale, threads, out);
+                                bs, scale, window, threads, out);
   else if (d == 128)
     paged_attention_impl<T, 128>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
-                                 bs, scale, threads, out);
+                                 bs, scale, window, threads, out);
   else
     paged_attention_impl<T, 0>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
-                               bs, scale, threads, out);
+                               bs, scale, window, threads, out);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& q_starts, const at::Tensor& start_pos,
-                           const at::Tensor& block_tables, double scale) {
+                           const at::Tensor& block_tables, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be [T, H, D] contiguous");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous());
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type());
@@ -702,12 +714,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
         paged_attention_dispatch<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
                                         q_starts.data_ptr<int32_t>(), start_pos.data_ptr<int32_t>(),
                                         block_tables.data_ptr<int32_t>(), block_tables.size(1), num_seqs, h,
-                                        kvh, d, bs, static_cast<float>(scale), threads, out.data_ptr<float>()); })
+                                        kvh, d, bs, static_cast<float>(scale), window, threads, out.data_ptr<float>()); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         paged_attention_dispatch<at::BFloat16>(
             q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(),
             q_starts.data_ptr<int32_t>(), start_pos.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
-            block_tables.size(1), num_seqs, h, kvh, d, bs, static_cast<float>(scale), threads,
+            block_tables.size(1), num_seqs, h, kvh, d, bs, static_cast<float>(scale), window, threads,
             out.data_ptr<at::BFloat16>()); }));
   return out;
 }
@@ -1070,7 +1082,7 @@ TORCH_LIBRARY(fastgen, m) {
   m.def("qgemv(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, bool act_int8=False) -> Tensor");
   m.def("have_vnni() -> bool");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor q_starts, Tensor start_pos, "
-        "Tensor block_tables, float scale) -> Tensor");
+        "Tensor block_tables, float scale, int window=0) -> Tensor");
 }
 
 bool have_vnni() { return kHaveVnni; }
