@@ -6,6 +6,7 @@ call ``step`` while ``has_unfinished()``, and collect finished requests with ``r
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -25,7 +26,8 @@ from .model.llama import ModelConfig
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
 from .sampling import SamplingRow, sample
-from .scheduler import make_scheduler
+from .scheduler import StepPlan, make_scheduler
+from .structured import GrammarCompiler
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,9 @@ class Engine:
         self._generator = torch.Generator().manual_seed(secrets.randbits(63))
         self._num_preemptions = 0
         self._last_step = (0, 0)
+        # constrained requests whose grammar is compiling: they join the scheduler when it is ready
+        self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(self.eos_token_ids))
         self.budget_choice: BudgetChoice | None = None   # set when budget_tokens="auto" was measured
 
     @classmethod
@@ -130,7 +135,11 @@ class Engine:
                       prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         self._requests[request_id] = req
         self._texts[request_id] = TextStream(self.tokenizer.backend_tokenizer, params.stop)
-        self.scheduler.add(req)
+        spec = params.structured
+        if spec is None:
+            self.scheduler.add(req)
+        else:
+            self._compiling[request_id] = (req, self.grammars.submit(spec))
         return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -162,7 +171,7 @@ class Engine:
             self._finish(req, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def response(self, request_id: str) -> Response:
         """The finished request's :class:`Response`; forgets the request."""
@@ -184,7 +193,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting + len(self._compiling), num_running=self.scheduler.num_running,
             num_free_blocks=self.allocator.num_free_blocks, num_used_blocks=self.allocator.num_used_blocks,
             num_preemptions=self._num_preemptions, last_step_prompt_tokens=self._last_step[0],
             last_step_decode_tokens=self._last_step[1])
@@ -192,10 +201,34 @@ class Engine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        failed = self._admit_compiled()
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted_ids)
         if not plan.chunks:
-            return []
+            if not failed and self._compiling:  # nothing to run but grammars to wait for
+                concurrent.futures.wait([f for _, f in self._compiling.values()], timeout=self.COMPILE_WAIT_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            return failed
+        return failed + self._run(plan)
+
+    COMPILE_WAIT_S = 0.05   # an idle engine waits this long for a grammar before step() returns
+
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Hand requests whose grammar has compiled to the scheduler; end those whose compile failed."""
+        failed = []
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                req.grammar_state = self.grammars.matcher(future.result())
+            except Exception as e:  # InvalidRequestError naming the constraint, or xgrammar's own
+                failed.append(self._finish(req, FinishReason.ERROR, str(e)))
+                continue
+            self.scheduler.add(req)
+        return failed
+
+    def _run(self, plan: StepPlan) -> list[StepOutput]:
         reqs = [self._requests[c.request_id] for c in plan.chunks]
         want_prompt_lp = [self._wants_prompt_logprobs(r) for r in reqs]
         seqs = [self._seq_input(r, c.num_tokens, w) for r, c, w in zip(reqs, plan.chunks, want_prompt_lp)]
@@ -267,8 +300,11 @@ class Engine:
     def _sample(self, samplers: list[tuple[int, Request]], rows: dict[int, torch.Tensor],
                 ) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = torch.cat([rows[i][-1:] for i, _ in samplers])     # [num_sampling, vocab]
+        assert all(r.grammar_state is None or r.grammar_state.num_accepted == r.num_output_tokens
+                   for _, r in samplers), "a matcher has accepted exactly the generated tokens"
         srows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                             tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else ())
+                             tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else (),
+                             r.grammar_state)
                  for _, r in samplers]
         return sample(logits, srows, self._generator)
 
@@ -279,7 +315,10 @@ class Engine:
             r.logprobs.append(lp)
         reason = None
         delta = ""
-        if tok in self.eos_token_ids and not r.params.ignore_eos:
+        if r.grammar_state is not None and not r.grammar_state.accept(tok):
+            return self._finish(r, FinishReason.ERROR, f"the output constraint rejected token {tok}")
+        if (tok in self.eos_token_ids and not r.params.ignore_eos) or (
+                r.grammar_state is not None and r.grammar_state.is_terminated):
             reason = FinishReason.STOP
         else:
             delta, stopped = self._texts[r.request_id].push(
@@ -296,6 +335,9 @@ class Engine:
 
     def _finish(self, r: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
         delta = self._texts[r.request_id].flush()  # empty after a stop-string match
+        compiling = self._compiling.pop(r.request_id, None)
+        if compiling is not None:
+            compiling[1].cancel()
         r.finish_reason = reason
         r.error = error
         r.finished_time = time.perf_counter()
