@@ -235,6 +235,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if plan.mode != "none" and self.constraint()[0]:
             raise bad_request("tools (with tool_choice other than none) cannot be combined with an output "
                               "constraint (response_format or structured_outputs)", "tool_choice")
+        if plan.mode != "none" and self.stream and self.logprobs:
+            raise bad_request("logprobs are not streamed for requests with tools (ask without stream)", "logprobs")
         return plan
 
     def check_supported(self) -> None:
