@@ -240,6 +240,7 @@ class Engine:
                 r.first_scheduled_time = now
         samplers = [(i, r) for i, (r, c) in enumerate(zip(reqs, plan.chunks))
                     if r.num_computed_tokens + c.num_tokens == r.num_tokens]
+        masks = self._fill_masks(samplers)
         try:
             batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
             logits = self.model(batch, self.pool)                  # [num_logits, vocab] fp32
@@ -251,7 +252,7 @@ class Engine:
             for i, r in enumerate(reqs):
                 if want_prompt_lp[i]:
                     self._record_prompt_logprobs(r, r.num_computed_tokens, rows[i])
-            sampled = self._sample(samplers, rows) if samplers else ([], [])
+            sampled = self._sample(samplers, rows, masks) if samplers else ([], [])
         except Exception as e:  # a step-wide failure: fail this step's requests, keep serving
             log.exception("step failed")
             return [self._finish(r, FinishReason.ERROR, f"step failed: {e}") for r in reqs]
@@ -297,16 +298,25 @@ class Engine:
             tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         r.prompt_logprobs.extend(TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops))
 
-    def _sample(self, samplers: list[tuple[int, Request]], rows: dict[int, torch.Tensor],
-                ) -> tuple[list[int], list[TokenLogprob | None]]:
-        logits = torch.cat([rows[i][-1:] for i, _ in samplers])     # [num_sampling, vocab]
+    def _fill_masks(self, samplers: list[tuple[int, Request]]) -> concurrent.futures.Future | None:
+        """Start filling the grammar masks of the constrained rows that sample this step; they fill
+        on the mask thread while the forward pass runs. Only sampling rows get one: a prompt chunk
+        that does not end its prompt neither reads nor advances its matcher."""
+        states = [(j, r.grammar_state) for j, (_, r) in enumerate(samplers) if r.grammar_state is not None]
+        if not states:
+            return None
         assert all(r.grammar_state is None or r.grammar_state.num_accepted == r.num_output_tokens
                    for _, r in samplers), "a matcher has accepted exactly the generated tokens"
+        return self.grammars.fill_async(states, len(samplers))
+
+    def _sample(self, samplers: list[tuple[int, Request]], rows: dict[int, torch.Tensor],
+                masks: concurrent.futures.Future | None) -> tuple[list[int], list[TokenLogprob | None]]:
+        logits = torch.cat([rows[i][-1:] for i, _ in samplers])     # [num_sampling, vocab]
         srows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
                              tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else (),
                              r.grammar_state)
                  for _, r in samplers]
-        return sample(logits, srows, self._generator)
+        return sample(logits, srows, self._generator, None if masks is None else masks.result())
 
     def _after_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:
         """``tok`` was appended by the scheduler's commit: time it, detokenize, decide the finish."""

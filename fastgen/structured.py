@@ -157,6 +157,8 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastgen-grammar")
+        # masks get their own thread: a long compile never delays a step's masks
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastgen-mask")
         self._lock = threading.Lock()  # one compile at a time: the cache fills once per grammar
 
     def compile(self, spec: GrammarSpec) -> Any:
@@ -181,20 +183,27 @@ class GrammarCompiler:
     def submit(self, spec: GrammarSpec) -> "Future[Any]":
         return self._pool.submit(self.compile, spec)
 
+    def fill_async(self, states: list[tuple[int, "GrammarState"]], num_rows: int) -> "Future[torch.Tensor]":
+        """Fill the bitmasks of ``states`` (row index, matcher) on the mask thread, so that it runs
+        while the engine's thread computes the forward pass. The matchers must not change until
+        the future is done (the engine accepts tokens only after sampling)."""
+        return self._mask_pool.submit(fill_bitmask, states, num_rows, self.vocab_size)
+
     def matcher(self, compiled: Any) -> "GrammarState":
-        return GrammarState(self._xgr.GrammarMatcher(compiled), self)
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class GrammarState:
     """One request's matcher. Invariant: it has accepted exactly the request's generated tokens
     (``num_accepted``), so a recomputed request (preemption) is never advanced twice."""
 
-    def __init__(self, matcher: Any, compiler: GrammarCompiler) -> None:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
-        self._compiler = compiler
+        self.vocab_size = vocab_size       # the width of the model's logits
         self.num_accepted = 0
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -212,15 +221,27 @@ class GrammarState:
         return self._matcher.is_terminated()
 
 
-def apply_grammar_masks(logits: torch.Tensor, states: list[tuple[int, GrammarState]]) -> None:
-    """In place: ``-inf`` on every token the grammar forbids, for rows ``states`` name (their index
-    into ``logits`` [n, vocab] fp32); other rows are untouched."""
-    if not states:
-        return
-    compiler = states[0][1]._compiler
-    xgr = compiler._xgr
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], compiler.vocab_size)  # [n, ceil(vocab / 32)] int32
+def fill_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(vocab_size / 32)] int32: each named row's allowed tokens, one bit each."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
     for i, state in states:
         state.fill(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=compiler.vocab_size,
+    return bitmask
+
+
+def apply_grammar_masks(logits: torch.Tensor, states: list[tuple[int, GrammarState]],
+                        bitmask: torch.Tensor | None = None) -> None:
+    """In place: ``-inf`` on every token the grammar forbids, for rows ``states`` name (their index
+    into ``logits`` [n, vocab] fp32); other rows are untouched. ``bitmask``: the rows' masks if
+    already filled (:meth:`GrammarCompiler.fill_async`), else they are filled here."""
+    if not states:
+        return
+    import xgrammar as xgr
+
+    vocab_size = states[0][1].vocab_size
+    if bitmask is None:
+        bitmask = fill_bitmask(states, logits.shape[0], vocab_size)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size,
                                     indices=[i for i, _ in states])
