@@ -299,15 +299,15 @@ class Engine:
         r.prompt_logprobs.extend(TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops))
 
     def _fill_masks(self, samplers: list[tuple[int, Request]]) -> concurrent.futures.Future | None:
-        """Start filling the grammar masks of the constrained rows that sample this step; they fill
-        on the mask thread while the forward pass runs. Only sampling rows get one: a prompt chunk
+        """Start computing the grammar masks of the constrained rows that sample this step, on the
+        mask thread while the forward pass runs. Only sampling rows get one: a prompt chunk
         that does not end its prompt neither reads nor advances its matcher."""
         states = [(j, r.grammar_state) for j, (_, r) in enumerate(samplers) if r.grammar_state is not None]
         if not states:
             return None
         assert all(r.grammar_state is None or r.grammar_state.num_accepted == r.num_output_tokens
                    for _, r in samplers), "a matcher has accepted exactly the generated tokens"
-        return self.grammars.fill_async(states, len(samplers))
+        return self.grammars.bias_async(states)
 
     def _sample(self, samplers: list[tuple[int, Request]], rows: dict[int, torch.Tensor],
                 masks: concurrent.futures.Future | None) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -29,11 +29,11 @@ class SamplingRow:
     grammar: GrammarState | None = None     # the output constraint, for constrained requests
 
 
-def process_logits(logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None) -> None:
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow], grammar_bias: torch.Tensor | None = None) -> None:
     """In place, the logits processors of every row: grammar masks first (so penalties and
     temperature only ever redistribute mass among allowed tokens), penalties, suppressed tokens.
-    ``bitmask``: the grammar rows' token masks when already filled (one row per row of ``logits``)."""
-    apply_grammar_masks(logits, [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None], bitmask)
+    ``grammar_bias``: the grammar rows' masks, when already computed (structured.grammar_bias)."""
+    apply_grammar_masks(logits, [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None], grammar_bias)
     if any(r.params.has_penalties for r in rows):
         apply_penalties(logits, rows)
     for i, r in enumerate(rows):
@@ -83,8 +83,8 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generat
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
-           bitmask: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [n, V] fp32, one row per request that samples this step; ``bitmask``: see
+           grammar_bias: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [n, V] fp32, one row per request that samples this step; ``grammar_bias``: see
     :func:`process_logits`.
 
     Returns the chosen token ids and, for rows that asked for them, their logprobs
@@ -93,7 +93,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     n, vocab = logits.shape
     want_lp = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if any(want_lp) else None
-    process_logits(logits, rows, bitmask)
+    process_logits(logits, rows, grammar_bias)
 
     chosen = logits.argmax(-1)
     sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -2,9 +2,9 @@
 
 1. Grammar compile time for a JSON schema: the first compile, and the compiler's cache hit.
 2. The per-step cost of the grammar masks, in ms per constrained row, measured around the two
-   calls while the constrained requests of (3) run: filling each row's token bitmask (on the
-   mask thread, while the forward pass runs) and applying the masks to the logits (on the
-   engine thread).
+   calls while the constrained requests of (3) run: filling each row's token bitmask and
+   unpacking it (on the mask thread, while the forward pass runs), and adding the masks to the
+   logits (on the engine thread).
 3. Generated tokens/s of ``--num-requests`` concurrent constrained requests against as many
    unconstrained ones (same prompts, same number of tokens each: the schema cannot complete
    within ``--max-new-tokens`` and the unconstrained requests ignore EOS), alternating the two
@@ -39,27 +39,27 @@ class MaskTimer:
     def __init__(self) -> None:
         self.fills: list[tuple[float, int]] = []
         self.applies: list[tuple[float, int]] = []
-        self._fill = structured.fill_bitmask
+        self._fill = structured.grammar_bias
         self._apply = sampling.apply_grammar_masks
 
     def __enter__(self) -> "MaskTimer":
-        def fill(states, num_rows, vocab_size):
+        def fill(states, vocab_size):
             t0 = time.perf_counter()
-            out = self._fill(states, num_rows, vocab_size)
+            out = self._fill(states, vocab_size)
             self.fills.append((time.perf_counter() - t0, len(states)))
             return out
 
-        def apply(logits, states, bitmask=None):
+        def apply(logits, states, bias=None):
             t0 = time.perf_counter()
-            self._apply(logits, states, bitmask)
+            self._apply(logits, states, bias)
             if states:
                 self.applies.append((time.perf_counter() - t0, len(states)))
-        structured.fill_bitmask = fill
+        structured.grammar_bias = fill
         sampling.apply_grammar_masks = apply
         return self
 
     def __exit__(self, *exc) -> None:
-        structured.fill_bitmask = self._fill
+        structured.grammar_bias = self._fill
         sampling.apply_grammar_masks = self._apply
 
 

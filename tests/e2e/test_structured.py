@@ -225,3 +225,29 @@ def test_a_compiling_request_waits_outside_the_scheduler_and_does_not_stall_othe
     finally:
         gate.set()
         engine.grammars.compile = compile_
+
+
+def test_masks_equal_xgrammars_own_and_touch_only_constrained_rows(engine):
+    import xgrammar as xgr
+
+    from fastgen.structured import apply_grammar_masks
+
+    vocab = engine.model_config.vocab_size
+    states = []
+    for p in (SamplingParams(regex=r"[a-c]+\d"), SamplingParams(json_schema={"type": "integer"}),
+              SamplingParams(choice=["Paris", "Rome"])):
+        compiled = engine.grammars.compile(p.structured)
+        states.append(engine.grammars.matcher(compiled))
+    assert states[0].accept(engine.tokenizer.encode("ab", add_special_tokens=False)[0])
+    logits = torch.randn(5, vocab)
+    rows = [(1, states[0]), (2, states[1]), (4, states[2])]
+    got = logits.clone()
+    apply_grammar_masks(got, rows)
+    want = logits.clone()
+    bitmask = xgr.allocate_token_bitmask(5, vocab)
+    for i, s in rows:
+        s.fill(bitmask, i)
+    xgr.apply_token_bitmask_inplace(want, bitmask, indices=[1, 2, 4])
+    assert torch.equal(got, want)
+    assert torch.equal(got[[0, 3]], logits[[0, 3]])
+    assert 0 < int(torch.isfinite(got[1]).sum()) < vocab
