@@ -69,13 +69,33 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def api_keys(given: list[str] | None, key_file: str | None, env_value: str | None) -> tuple[str, ...]:
+    """The server's keys: ``--api-key`` (repeatable) and ``--api-key-file`` (one key per line;
+    blank lines and ``#`` comments skipped); ``FASTGEN_API_KEY`` (newline-separated) when neither
+    is given."""
+    keys = list(given or ())
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                lines = [ln.strip() for ln in f]
+        except OSError as e:
+            raise FastgenError(f"--api-key-file: cannot read {key_file}: {e.strerror}") from None
+        file_keys = [ln for ln in lines if ln and not ln.startswith("#")]
+        if not file_keys:
+            raise FastgenError(f"--api-key-file: {key_file} holds no key")
+        keys += file_keys
+    if not keys and env_value:
+        keys = [k.strip() for k in env_value.splitlines() if k.strip()]
+    return tuple(dict.fromkeys(keys))
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     from .server.config import ServerConfig
     from .server.launch import API_KEY_ENV, run_server
 
     config = ServerConfig(
         model=ns.model, host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
-        api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None, max_queue=ns.max_queue,
+        api_keys=api_keys(ns.api_key, ns.api_key_file, os.environ.get(API_KEY_ENV)), max_queue=ns.max_queue,
         request_timeout_s=ns.request_timeout_s, drain_timeout_s=ns.drain_timeout_s, replicas=ns.replicas,
         upstreams=tuple(ns.upstream or ()), engine_options=tuple(_split(ns, EngineOptions).items()),
         log_level=ns.log_level)
@@ -92,8 +112,11 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients send as `model` (default: the model file's stem)")
-    serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` (or set FASTGEN_API_KEY)")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require `Authorization: Bearer KEY`; may be repeated, each key is its own "
+                            "prefix-cache tenant (or set FASTGEN_API_KEY, one key per line)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="API keys, one per line (blank lines and # comments skipped)")
     serve.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                        help="sequences that may wait to be scheduled before requests get 429")
     serve.add_argument("--request-timeout-s", type=float, default=None,

@@ -38,10 +38,13 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Shape of the KV block pool. ``num_blocks`` is resolved from a byte budget when not given."""
+    """Shape of the KV block pool. ``num_blocks`` is resolved from a byte budget when not given.
+    ``prefix_caching``: full blocks are content-addressed and shared by requests with the same
+    prefix (fastgen.cache.prefix)."""
 
     block_size: int
     num_blocks: int
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class EngineOptions:
     kernels: str = "auto"
     quantization: str = "auto"
     int8_activations: bool = False
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         """Reject bad values when the options are built, before any model is loaded."""
@@ -168,6 +172,8 @@ class EngineOptions:
         if self.scheduler not in SCHEDULERS:
             raise InvalidRequestError(
                 f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}", param="scheduler")
+        if not isinstance(self.prefix_caching, bool):
+            raise InvalidRequestError("prefix_caching must be true or false", param="prefix_caching")
         if not isinstance(self.int8_activations, bool):
             raise InvalidRequestError("int8_activations must be true or false", param="int8_activations")
         if self.quantization not in QUANTIZATIONS:
@@ -205,7 +211,8 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
     kernels = resolve_kernels(options.kernels, device, dtype)
     return EngineConfig(
         model_path=model_path, dtype=dtype, device=device, num_threads=num_threads,
-        cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks,
+                          prefix_caching=options.prefix_caching),
         scheduler=SchedulerConfig(budget_tokens=DEFAULT_BUDGET_TOKENS if options.budget_tokens == "auto"
                                   else options.budget_tokens, max_seqs=options.max_seqs,
                                   reserve_blocks=reserve, policy=options.scheduler),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .batch import SeqInput, build_batch
-from .cache import BlockAllocator, KVPool
+from .cache import BlockAllocator, KVPool, root_hash
 from .calibrate import BudgetChoice, calibrate_engine_budget
 from .config import EngineConfig, EngineOptions, resolve_engine_config
 from .errors import InvalidRequestError, PromptTooLongError
@@ -53,6 +53,9 @@ class EngineStats:
     num_preemptions: int
     last_step_prompt_tokens: int
     last_step_decode_tokens: int
+    num_cached_free_blocks: int = 0       # prefix caching: unreferenced blocks kept for hits
+    prefix_queried_tokens: int = 0        # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0            # of those, found cached
 
 
 class Engine:
@@ -69,7 +72,10 @@ class Engine:
                            block_size=cache.block_size, num_kv_heads=model_config.num_kv_heads,
                            head_dim=model_config.head_dim, dtype=config.dtype, device=config.device)
         self.allocator = BlockAllocator(cache.num_blocks)
-        self.scheduler = make_scheduler(config.scheduler, self.allocator, cache.block_size)
+        self.scheduler = make_scheduler(config.scheduler, self.allocator, cache.block_size,
+                                        prefix_caching=cache.prefix_caching)
+        # what separates this engine's cached blocks from any other model's, before tenant and salt
+        self._cache_model_key = f"{config.model_path}|{config.dtype}|{config.quantization}"
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextStream] = {}
         self._ids = itertools.count()
@@ -106,8 +112,14 @@ class Engine:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request. Raises :class:`InvalidRequestError` naming the problem."""
+                    request_id: str | None = None, *, tenant: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Validate and queue a request. Raises :class:`InvalidRequestError` naming the problem.
+
+        With prefix caching, a request reuses cached blocks only of requests with the same
+        ``tenant`` (the server passes one per API key) and the same ``cache_salt``."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
         prompt_ids, prompt_text = self._tokenize(prompt)
         n = len(prompt_ids)
         limit = min(self.config.max_model_len, params.max_length or self.config.max_model_len)
@@ -132,7 +144,8 @@ class Engine:
                       max_total_tokens=max_total_tokens, prompt_text=prompt_text,
                       generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
                       logprobs=[] if params.logprobs is not None else None,
-                      prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+                      prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+                      cache_root=root_hash(self._cache_model_key, tenant, cache_salt))
         self._requests[request_id] = req
         self._texts[request_id] = TextStream(self.tokenizer.backend_tokenizer, params.stop)
         spec = params.structured
@@ -189,14 +202,17 @@ class Engine:
             finish_reason=req.finish_reason, timings=req.timings(),
             logprobs=None if req.logprobs is None else tuple(req.logprobs),
             prompt_logprobs=None if req.prompt_logprobs is None else tuple(req.prompt_logprobs),
-            num_preemptions=req.num_preemptions, error=req.error)
+            num_preemptions=req.num_preemptions, error=req.error, num_cached_tokens=req.num_cached_tokens)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_waiting=self.scheduler.num_waiting + len(self._compiling), num_running=self.scheduler.num_running,
             num_free_blocks=self.allocator.num_free_blocks, num_used_blocks=self.allocator.num_used_blocks,
             num_preemptions=self._num_preemptions, last_step_prompt_tokens=self._last_step[0],
-            last_step_decode_tokens=self._last_step[1])
+            last_step_decode_tokens=self._last_step[1],
+            num_cached_free_blocks=self.allocator.num_cached_free_blocks,
+            prefix_queried_tokens=self.scheduler.queues.prefix_queried_tokens,
+            prefix_hit_tokens=self.scheduler.queues.prefix_hit_tokens)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -230,7 +246,7 @@ class Engine:
 
     def _run(self, plan: StepPlan) -> list[StepOutput]:
         reqs = [self._requests[c.request_id] for c in plan.chunks]
-        want_prompt_lp = [self._wants_prompt_logprobs(r) for r in reqs]
+        want_prompt_lp = [r.needs_prompt_logprobs for r in reqs]
         seqs = [self._seq_input(r, c.num_tokens, w) for r, c, w in zip(reqs, plan.chunks, want_prompt_lp)]
         num_decode = sum(1 for r in reqs if r.is_decoding)
         self._last_step = (plan.num_tokens - num_decode, num_decode)
@@ -268,12 +284,6 @@ class Engine:
                 log.exception("request %s failed", r.request_id)
                 outputs.append(self._finish(r, FinishReason.ERROR, str(e)))
         return outputs
-
-    @staticmethod
-    def _wants_prompt_logprobs(r: Request) -> bool:
-        """True while prompt logprobs are asked for and not all collected (a recompute after
-        preemption does not collect them again)."""
-        return r.prompt_logprobs is not None and len(r.prompt_logprobs) < r.num_prompt_tokens - 1
 
     @staticmethod
     def _seq_input(r: Request, n: int, want_prompt_logprobs: bool) -> SeqInput:

@@ -43,8 +43,8 @@ class Pipeline:
             if box is not None:
                 box.append(out)
 
-    def _submit(self, prompt: Prompt, params: SamplingParams) -> str:
-        rid = self.engine.add_request(self._prompt(prompt), params)
+    def _submit(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None) -> str:
+        rid = self.engine.add_request(self._prompt(prompt), params, cache_salt=cache_salt)
         self._outbox[rid] = deque()
         return rid
 
@@ -60,11 +60,13 @@ class Pipeline:
             return self.apply_chat_template(prompt)
         return prompt
 
-    def __call__(self, prompts: Prompt | list[Prompt], **generate_kwargs: Any) -> list[Response]:
+    def __call__(self, prompts: Prompt | list[Prompt], *, cache_salt: str | None = None,
+                 **generate_kwargs: Any) -> list[Response]:
         """Generate for every prompt; responses come back in input order.
 
         A prompt is a string, a list of token ids, or a chat (a list of messages). All
         prompts are validated before any is queued, so one bad prompt queues nothing.
+        ``cache_salt``: only requests with the same salt share cached prefix blocks.
         """
         params = SamplingParams.from_kwargs(generate_kwargs)
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
@@ -75,7 +77,7 @@ class Pipeline:
         ids: list[str] = []
         try:
             for p in prompts:
-                ids.append(self._submit(p, params))
+                ids.append(self._submit(p, params, cache_salt))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -91,14 +93,14 @@ class Pipeline:
                         pending.discard(rid)
         return [self._forget(rid) for rid in ids]
 
-    def stream(self, prompt: Prompt, **generate_kwargs: Any) -> Iterator[str]:
+    def stream(self, prompt: Prompt, *, cache_salt: str | None = None, **generate_kwargs: Any) -> Iterator[str]:
         """Yield text deltas (whole UTF-8 characters) as they are generated.
 
         Other requests already queued in this pipeline's engine advance alongside.
         Closing the generator early aborts the request.
         """
         params = SamplingParams.from_kwargs(generate_kwargs)
-        rid = self._submit(prompt, params)
+        rid = self._submit(prompt, params, cache_salt)
         box = self._outbox[rid]
         done = False
         try:

@@ -246,6 +246,7 @@ class Response:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     num_preemptions: int = 0
     error: str | None = None
+    num_cached_tokens: int = 0    # prompt tokens whose KV came from the prefix cache
 
     def __str__(self) -> str:
         return self.generated_text
@@ -269,6 +270,12 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    # prefix caching: the chain's root (model, tenant, salt), names of full blocks so far,
+    # how many of block_ids are registered, and the prompt tokens found cached on admission
+    cache_root: bytes = b""
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     # timings
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -298,6 +305,12 @@ class Request:
     def is_decoding(self) -> bool:
         """True when only the newest generated token is left to compute (derived, not a phase)."""
         return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs are asked for and not all collected (a recompute after
+        preemption does not collect them again)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -127,6 +127,12 @@ def run_parser() -> argparse.ArgumentParser:
     t.add_argument("--api-key", default=None)
     t.add_argument("--no-length-extensions", dest="length_extensions", action="store_false",
                    help="do not send ignore_eos/min_tokens (for servers that reject them)")
+    t.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
+                   help="in-process: engines with the prefix cache, without it, or both "
+                        "(series '<policy>' and '<policy> no-prefix-cache'; default on)")
+    t.add_argument("--no-cache-salt", dest="cache_salt", action="store_false",
+                   help="do not send a cache_salt per load point (each point then may hit the prefix "
+                        "cache of the points before it, which sent the same requests)")
     t.add_argument("--wait-ready-s", type=float, default=120.0,
                    help="wait this long for --url's /health to answer 200 (default 120)")
     t.add_argument("--tokenizer", default=None,
@@ -182,6 +188,8 @@ def load_points(args: argparse.Namespace) -> list[tuple[Load, RunLimits]]:
 def describe_point(label: str, load: Load, run: RunResult, sla: SLA) -> str:
     m = summarize(run.records, run.duration_s, sla)
     sla_part = " ".join(f"SLA@{r.gen_tokens_per_s:g} {r.fraction:.0%}" for r in m.sla)
+    if m.prefix_hit_rate is not None:
+        sla_part += f", prefix hits {m.prefix_hit_rate:.0%}"
     ttft = f"{m.ttft_s.mean:.2f}" if m.ttft_s.mean is not None else "-"
     e2e = f"{m.e2e_s.mean:.2f}" if m.e2e_s.mean is not None else "-"
     errors = sorted({r.error for r in run.records if r.error})
@@ -196,7 +204,8 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
     options = {k: v for k, v in {"dtype": args.dtype, "device": args.device, "budget_tokens": args.budget_tokens,
                                  "max_seqs": args.max_seqs, "num_blocks": args.num_blocks}.items() if v is not None}
     requests: list[BenchRequest] | None = None
-    for policy, engine in engines(args.model, args.scheduler, options):
+    caching = {"on": (True,), "off": (False,), "both": (True, False)}[args.prefix_caching]
+    for policy, engine in engines(args.model, args.scheduler, options, caching):
         if requests is None:
             requests = _requests(workload, points, Corpus.shipped(engine.tokenizer), args.seed,
                                  engine.config.max_model_len, meta)
@@ -206,7 +215,7 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
                         max_seqs=cfg.scheduler.max_seqs, num_blocks=cfg.cache.num_blocks,
                         block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len)
         warm_up(engine)
-        target = EngineTarget(engine)
+        target = EngineTarget(engine, salt_per_run=args.cache_salt)
         label = f"{policy} {args.label}" if args.label else policy
         done = []
         for load, limits in points:
@@ -225,7 +234,8 @@ def http_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
     max_len = ModelConfig.from_hf(load_hf_config(path)).max_position_embeddings
     requests = _requests(workload, points, Corpus.shipped(load_tokenizer(path)), args.seed, max_len, meta)
     target = HTTPTarget(args.url, args.served_model, api_key=args.api_key,
-                        length_extensions=args.length_extensions, wait_ready_s=args.wait_ready_s)
+                        length_extensions=args.length_extensions, wait_ready_s=args.wait_ready_s,
+                        salt_per_run=args.cache_salt)
     label = args.label or args.url
     meta.update(url=args.url, served_model=target.model, tokenizer=path, max_model_len=max_len)
     done = []

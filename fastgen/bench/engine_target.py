@@ -53,8 +53,11 @@ class EngineTarget:
     """Runs load points against one engine. ``clock`` and ``sleep`` are injectable for tests."""
 
     def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, salt_per_run: bool = True) -> None:
         self.engine = engine
+        # each load point under its own cache salt: a point never hits the blocks of the points
+        # before it (they send the same requests), only what its own requests share
+        self.salt_per_run = salt_per_run
         self.clock = clock
         self.sleep = sleep
         self._num_runs = 0
@@ -109,7 +112,8 @@ class EngineTarget:
         """Add the request to the engine; False (and the record failed) if the engine refuses it."""
         rid = f"{prefix}{req.index}"
         try:
-            self.engine.add_request(list(req.prompt_token_ids), sampling_for(req), request_id=rid)
+            self.engine.add_request(list(req.prompt_token_ids), sampling_for(req), request_id=rid,
+                                    cache_salt=prefix if self.salt_per_run else None)
         except InvalidRequestError as e:
             rec.error = f"rejected: {e}"
             return False
@@ -120,6 +124,7 @@ class EngineTarget:
         response = self.engine.response(rid)
         rec.finish_s = now
         rec.num_output_tokens = response.generated_length
+        rec.cached_prompt_tokens = response.num_cached_tokens
         if response.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
             rec.error = response.error or response.finish_reason.value
 
@@ -152,13 +157,21 @@ def warm_up(engine: Engine) -> None:
     engine.response(rid)
 
 
-def engines(model: str | None, policies: Sequence[str], options: dict[str, Any]) -> Iterator[tuple[str, Engine]]:
-    """An engine per policy over one loaded model: the weights and tokenizer are shared, each
-    engine gets its own KV pool and scheduler, so that only the scheduling differs."""
-    first = Engine.from_pretrained(model, scheduler=policies[0], **options)
+def engines(model: str | None, policies: Sequence[str], options: dict[str, Any],
+            caching: Sequence[bool] = (True,)) -> Iterator[tuple[str, Engine]]:
+    """An engine per policy (and per prefix-caching setting) over one loaded model: the weights
+    and tokenizer are shared, each engine gets its own KV pool and scheduler, so that only the
+    scheduling differs. Names: the policy, plus " no-prefix-cache" for an engine without it."""
+    combos = [(p, c) for p in policies for c in caching]
+    first = Engine.from_pretrained(model, scheduler=combos[0][0], prefix_caching=combos[0][1], **options)
     config, shared = first.config, (first.model, first.tokenizer, first.model_config)
-    yield policies[0], first
+
+    def name(policy: str, cached: bool) -> str:
+        return policy if cached else f"{policy} no-prefix-cache"
+
+    yield name(*combos[0]), first
     del first
-    for policy in policies[1:]:
-        cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
-        yield policy, Engine(cfg, *shared)
+    for policy, cached in combos[1:]:
+        cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy),
+                                  cache=dataclasses.replace(config.cache, prefix_caching=cached))
+        yield name(policy, cached), Engine(cfg, *shared)

@@ -34,12 +34,16 @@ class HTTPTargetError(RuntimeError):
 
 class HTTPTarget:
     def __init__(self, base_url: str, model: str | None = None, *, api_key: str | None = None,
-                 length_extensions: bool = True, wait_ready_s: float = 0.0) -> None:
+                 length_extensions: bool = True, wait_ready_s: float = 0.0, salt_per_run: bool = True) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.length_extensions = length_extensions
+        # each load point sends its own cache_salt (fastgen's and vLLM's field), so it never hits
+        # the prefix cache of the points before it, which sent the same requests
+        self.salt_per_run = salt_per_run
+        self._num_runs = 0
         self.wait_ready(wait_ready_s)
         self.model = model or self._served_model()
 
@@ -73,10 +77,13 @@ class HTTPTarget:
                                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         if self.length_extensions:
             body.update(ignore_eos=True, min_tokens=req.max_new_tokens)
+        if self.salt_per_run:
+            body["cache_salt"] = f"fastgen-bench-point-{self._num_runs}"
         return body
 
     def run(self, requests: Sequence[BenchRequest], load: Load, limits: RunLimits,
             desc: str = "") -> RunResult:
+        self._num_runs += 1
         return asyncio.run(self._run(list(requests[:limits.num_requests]), load, limits, desc))
 
     async def _run(self, requests: list[BenchRequest], load: Load, limits: RunLimits, desc: str) -> RunResult:
@@ -152,6 +159,9 @@ class HTTPTarget:
                 if usage:
                     rec.num_output_tokens = usage.get("completion_tokens", 0)
                     rec.reported_prompt_tokens = usage.get("prompt_tokens")
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    if cached is not None:
+                        rec.cached_prompt_tokens = cached
         rec.finish_s = clock()
         if not rec.num_output_tokens:
             rec.num_output_tokens = num_chunks

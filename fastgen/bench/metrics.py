@@ -42,6 +42,7 @@ class RequestRecord:
     finish_s: float | None = None       # the stream ended; None while running or if cut off
     num_output_tokens: int = 0          # generated (HTTP: usage.completion_tokens when reported)
     reported_prompt_tokens: int | None = None  # HTTP: usage.prompt_tokens when reported
+    cached_prompt_tokens: int | None = None   # prompt tokens served by the prefix cache, when reported
     error: str | None = None            # failed, or cut off by the run's time limit
 
     @property
@@ -196,6 +197,7 @@ class Summary:
     sla: tuple[SLAResult, ...]
     goodput: float | None            # good requests / duration (None without an SLO)
     num_prompt_token_mismatches: int  # HTTP: usage.prompt_tokens != the tokens sent
+    prefix_hit_rate: float | None = None   # cached / prompt tokens of completed requests that report it
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, sla: SLA,
@@ -220,7 +222,14 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, sla: SLA,
         sla=tuple(sla_results),
         goodput=per_s(sum(slo.good(r) for r in done)) if slo.is_set else None,
         num_prompt_token_mismatches=sum(1 for r in records if r.reported_prompt_tokens is not None
-                                        and r.reported_prompt_tokens != r.num_prompt_tokens))
+                                        and r.reported_prompt_tokens != r.num_prompt_tokens),
+        prefix_hit_rate=_hit_rate(done))
+
+
+def _hit_rate(done: Sequence[RequestRecord]) -> float | None:
+    known = [r for r in done if r.cached_prompt_tokens is not None]
+    total = sum(r.num_prompt_tokens for r in known)
+    return sum(r.cached_prompt_tokens for r in known) / total if known and total else None
 
 
 def best_effective_throughput(summaries: Sequence[Summary], gen_tokens_per_s: float) -> tuple[float, int | None]:

@@ -6,6 +6,13 @@ the run, and cuts its prompt from real English text (:class:`Corpus`) so that it
 the drawn number of tokens: the text is tokenized once with the model's tokenizer and a
 window of token ids is kept only if its decoded text tokenizes back to the same ids. The
 in-process target sends the ids, an HTTP target the text; both stand for the same tokens.
+
+Two workload shapes share prompt prefixes, for prefix caching: a *shared system prompt*
+(every request starts with the same ``shared_prefix_tokens`` tokens, then its own
+question) and *multi-turn chats* (conversations of ``turns`` turns; each turn's prompt is
+the previous turn's prompt plus new tokens standing for the previous answer and the next
+question, so the history grows turn by turn). Token counts stay exact: a continuation is
+kept only if prefix and new text tokenize back to the prefix's ids followed by the new ones.
 """
 from __future__ import annotations
 
@@ -33,9 +40,17 @@ class Workload:
     gen_mean_tokens: int
     rel_std: float = REL_STD
     note: str = ""
+    shared_prefix_tokens: int = 0    # every prompt starts with this one prefix; prompt_mean counts the rest
+    turns: int = 1                   # > 1: chats of this many turns; prompt_mean is what each turn adds
+    conversations: int = 8           # chats in flight: requests go turn by turn over this many
 
     def describe(self) -> str:
-        return (f"{self.name}: prompt ~ N({self.prompt_mean_tokens}, {self.rel_std * self.prompt_mean_tokens:g}), "
+        shape = ""
+        if self.shared_prefix_tokens:
+            shape = f"a shared {self.shared_prefix_tokens}-token prefix, then "
+        if self.turns > 1:
+            shape = f"{self.conversations} chats x {self.turns} turns, each turn adding "
+        return (f"{self.name}: {shape}prompt ~ N({self.prompt_mean_tokens}, {self.rel_std * self.prompt_mean_tokens:g}), "
                 f"generation ~ N({self.gen_mean_tokens}, {self.rel_std * self.gen_mean_tokens:g}) tokens"
                 + (f" ({self.note})" if self.note else ""))
 
@@ -50,6 +65,10 @@ PRESETS: dict[str, Workload] = {w.name: w for w in (
     Workload("cpu-600-30", 600, 30, note="1200/60 at half the length, for a 2-core CPU"),
     Workload("cpu-600-60", 600, 60, note="1200/128 at about half the length, for a 2-core CPU"),
     Workload("cpu-128-128", 128, 128, note="the short-prompt case scaled down for a 2-core CPU"),
+    Workload("shared-1000-64-30", 64, 30, shared_prefix_tokens=1000,
+             note="one 1,000-token system prompt before every question (prefix caching)"),
+    Workload("chat-6x200-30", 200, 30, turns=6,
+             note="multi-turn chats whose history grows ~200 tokens a turn (prefix caching)"),
 )}
 
 
@@ -151,13 +170,72 @@ class Corpus:
         raise WorkloadError(f"no window of {num_tokens} tokens of the corpus tokenized back to "
                             f"{num_tokens} tokens in {MAX_WINDOW_TRIES} tries")
 
+    def continuation(self, prefix_ids: tuple[int, ...], num_tokens: int,
+                     rng: random.Random) -> tuple[tuple[int, ...], str]:
+        """Ids and text of ``prefix_ids`` followed by ``num_tokens`` more tokens of the corpus:
+        the text tokenizes back to exactly ``prefix_ids`` + the new ids (so a server that gets the
+        text sees the very prefix, and its cached blocks)."""
+        if num_tokens > len(self.token_ids):
+            raise WorkloadError(f"{num_tokens} tokens is longer than the corpus ({len(self.token_ids)} tokens)")
+        body = list(prefix_ids[self.num_special_tokens:])
+        for _ in range(MAX_WINDOW_TRIES):
+            start = rng.randrange(len(self.token_ids) - num_tokens + 1)
+            text = self.tokenizer.decode(body + self.token_ids[start:start + num_tokens])
+            ids = self.encode(text)
+            if len(ids) == len(prefix_ids) + num_tokens and tuple(ids[:len(prefix_ids)]) == tuple(prefix_ids):
+                return tuple(ids), text
+        raise WorkloadError(f"no continuation of {num_tokens} tokens kept the prefix's tokens "
+                            f"in {MAX_WINDOW_TRIES} tries")
+
 
 def build_requests(workload: Workload, num_requests: int, corpus: Corpus, *, seed: int,
                    max_model_len: int) -> list[BenchRequest]:
     """The first ``num_requests`` requests of ``workload`` under ``seed`` (a prefix of any longer run)."""
+    if workload.turns > 1:
+        return _chat_requests(workload, num_requests, corpus, seed, max_model_len)
+    if workload.shared_prefix_tokens:
+        return _shared_prefix_requests(workload, num_requests, corpus, seed, max_model_len)
     out = []
     for i, (p, g) in enumerate(sample_lengths(workload, num_requests, seed, max_model_len)):
         p = max(p, corpus.num_special_tokens + 1)
         ids, text = corpus.prompt(p, _request_rng(seed, i, "prompt"))
+        out.append(BenchRequest(index=i, prompt_token_ids=ids, prompt_text=text, max_new_tokens=g))
+    return out
+
+
+def _shared_prefix_requests(workload: Workload, num_requests: int, corpus: Corpus, seed: int,
+                            max_model_len: int) -> list[BenchRequest]:
+    shared = workload.shared_prefix_tokens
+    if shared + 2 > max_model_len:
+        raise WorkloadError(f"a {shared}-token shared prefix does not fit max_model_len={max_model_len}")
+    prefix, _ = corpus.prompt(max(shared, corpus.num_special_tokens + 1), _request_rng(seed, -1, "shared-prefix"))
+    out = []
+    for i, (p, g) in enumerate(sample_lengths(workload, num_requests, seed, max_model_len - len(prefix))):
+        ids, text = corpus.continuation(prefix, p, _request_rng(seed, i, "prompt"))
+        out.append(BenchRequest(index=i, prompt_token_ids=ids, prompt_text=text, max_new_tokens=g))
+    return out
+
+
+def _chat_requests(workload: Workload, num_requests: int, corpus: Corpus, seed: int,
+                   max_model_len: int) -> list[BenchRequest]:
+    """Request ``i`` is turn ``t`` of chat ``c``: turns go round-robin over blocks of
+    ``conversations`` chats, so a chat's next turn is sent about when its previous one is done."""
+    k, turns = workload.conversations, workload.turns
+    lengths = sample_lengths(workload, num_requests, seed, max_model_len)
+    history: dict[int, tuple[int, ...]] = {}
+    out = []
+    for i, (p, g) in enumerate(lengths):
+        block, r = divmod(i, k * turns)
+        turn, chat = r // k, block * k + r % k
+        prev = history.get(chat)
+        if prev is None:
+            ids, text = corpus.prompt(max(p, corpus.num_special_tokens + 1), _request_rng(seed, i, "prompt"))
+        else:
+            p = min(p, max_model_len - 1 - g - len(prev))
+            if p < 1:
+                raise WorkloadError(f"turn {turn + 1} of a chat outgrows max_model_len={max_model_len}")
+            ids, text = corpus.continuation(prev, p, _request_rng(seed, i, "prompt"))
+        history[chat] = ids
+        g = max(1, min(g, max_model_len - len(ids)))
         out.append(BenchRequest(index=i, prompt_token_ids=ids, prompt_text=text, max_new_tokens=g))
     return out

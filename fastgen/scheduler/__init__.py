@@ -13,6 +13,7 @@ __all__ = ["POLICIES", "PrefillFirstScheduler", "Scheduler", "SplitFuseScheduler
            "StepPlan", "make_scheduler"]
 
 
-def make_scheduler(config, allocator, block_size: int) -> Scheduler:
-    """The policy named by ``config.policy`` over ``allocator``."""
-    return POLICIES[config.policy](config, allocator, block_size)
+def make_scheduler(config, allocator, block_size: int, prefix_caching: bool = False) -> Scheduler:
+    """The policy named by ``config.policy`` over ``allocator`` (sharing cached prefix blocks
+    when ``prefix_caching``)."""
+    return POLICIES[config.policy](config, allocator, block_size, prefix_caching)

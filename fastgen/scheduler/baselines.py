@@ -28,8 +28,8 @@ class PrefillFirstScheduler(QueueingScheduler):
                 break
             if not q.try_admit(req, n, self.config.reserve_blocks):
                 break
-            chunks.append(ScheduledChunk(req.request_id, n))
-            tokens += n
+            chunks.append(ScheduledChunk(req.request_id, req.num_uncomputed_tokens))  # after cached blocks
+            tokens += req.num_uncomputed_tokens
         if chunks:
             return StepPlan(tuple(chunks))
         preempted: list[str] = []
@@ -54,7 +54,7 @@ class StaticScheduler(QueueingScheduler):
                     break
                 if not q.try_admit(req, req.max_total_tokens - 1, 0):  # the last token is never fed back
                     break
-                chunks.append(ScheduledChunk(req.request_id, req.num_tokens))
-                tokens += req.num_tokens
+                chunks.append(ScheduledChunk(req.request_id, req.num_uncomputed_tokens))
+                tokens += req.num_uncomputed_tokens
             return StepPlan(tuple(chunks))
         return StepPlan(tuple(ScheduledChunk(r.request_id, 1) for r in q.running))

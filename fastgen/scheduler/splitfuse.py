@@ -32,8 +32,9 @@ from .queues import QueueingScheduler
 
 
 class SplitFuseScheduler(QueueingScheduler):
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
-        super().__init__(config, allocator, block_size)
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
+                 prefix_caching: bool = False) -> None:
+        super().__init__(config, allocator, block_size, prefix_caching)
         self.max_running = min(config.max_seqs, config.budget_tokens)
 
     def schedule(self) -> StepPlan:

@@ -29,7 +29,7 @@ from .errors import APIError, QueueFullError, bad_request, from_invalid_request,
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
                        CompletionRequest, GenerateRequest, ResponseBuilder, _Model, model_not_found)
-from .http import create_fastapi_app, race_disconnect, sse
+from .http import create_fastapi_app, race_disconnect, request_tenant, sse
 from .tools import ToolCallStream, ToolPlan, with_tools
 from .wire import response_to_json
 
@@ -143,11 +143,14 @@ class Server:
 
     # -- submission ---------------------------------------------------------------------------------
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], timeout_s: float | None,
-                     param_names: dict[str, str], streamed: bool) -> Stream:
+    async def submit(self, request: Request, prompts: list[list[int]], params: list[SamplingParams],
+                     timeout_s: float | None, param_names: dict[str, str], streamed: bool,
+                     cache_salt: str | None = None) -> Stream:
+        """Queue the prompts under the API key's tenant (prefix-cache partition) and ``cache_salt``."""
         try:
             return await self.loop.submit(prompts, params, timeout_s or self.config.request_timeout_s,
-                                          quiet=not streamed)
+                                          quiet=not streamed, tenant=request_tenant(request),
+                                          cache_salt=cache_salt)
         except InvalidRequestError as e:
             raise from_invalid_request(e, param_names) from None
         except QueueFullError as e:
@@ -200,8 +203,9 @@ class Server:
             raise from_invalid_request(e, names) from None
         await self.check_constraint(params[0], names)
         n = req.n
-        stream = await self.submit([ids for ids in prompt_ids for _ in range(n)], params * len(prompt_ids),
-                                   req.request_timeout_s, names, req.stream)
+        stream = await self.submit(request, [ids for ids in prompt_ids for _ in range(n)],
+                                   params * len(prompt_ids), req.request_timeout_s, names, req.stream,
+                                   req.cache_salt)
         builder = ResponseBuilder(kind, self.model_name, self.token_text)
         if req.stream:
             return event_stream(self._sse(stream, builder, n, req.include_usage, tools), stream)
@@ -214,7 +218,8 @@ class Server:
                 raise APIError(500, f"generation failed: {err}", type="server_error")
             responses.append(d.response)
         prompt_tokens = sum(responses[p * n].prompt_length for p in range(len(prompt_ids)))
-        return JSONResponse(builder.full(responses, prompt_tokens, tools))
+        cached_tokens = sum(responses[p * n].num_cached_tokens for p in range(len(prompt_ids)))
+        return JSONResponse(builder.full(responses, prompt_tokens, cached_tokens, tools))
 
     async def _sse(self, stream: Stream, builder: ResponseBuilder, n: int,
                    include_usage: bool, tools: ToolPlan | None = None) -> AsyncIterator[str]:
@@ -224,13 +229,14 @@ class Server:
             return
         started: set[int] = set()
         pending: dict[int, list[TokenLogprob]] = {}  # per choice: logprobs of tokens not yet sent
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             async for d in stream:
                 if d.response is not None:
                     completion_tokens += d.response.generated_length
                     if d.index % n == 0:
                         prompt_tokens += d.response.prompt_length
+                        cached_tokens += d.response.num_cached_tokens
                 if d.finish_reason == "error":
                     msg = d.response.error if d.response is not None else "the engine failed"
                     yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
@@ -243,7 +249,7 @@ class Server:
                                         include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
                 started.add(d.index)
             if include_usage:
-                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))
             yield SSE_DONE
         finally:
             stream.close()
@@ -253,13 +259,14 @@ class Server:
         """A chat stream whose choices may call tools: each choice's text goes through its
         :class:`ToolCallStream`; a choice that called a tool finishes with ``tool_calls``."""
         choices: dict[int, ToolCallStream] = {}
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             async for d in stream:
                 if d.response is not None:
                     completion_tokens += d.response.generated_length
                     if d.index % n == 0:
                         prompt_tokens += d.response.prompt_length
+                        cached_tokens += d.response.num_cached_tokens
                 if d.finish_reason == "error":
                     msg = d.response.error if d.response is not None else "the engine failed"
                     yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
@@ -277,7 +284,7 @@ class Server:
                     reason = "tool_calls" if calls.called and d.finish_reason == "stop" else d.finish_reason
                     yield sse(builder.chat_chunk(d.index, {}, reason, include_usage=include_usage))
             if include_usage:
-                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))
             yield SSE_DONE
         finally:
             stream.close()
@@ -300,8 +307,8 @@ class Server:
         await self.check_constraint(params, {})
         prompt_ids = [await (self.encode_chat(p) if p and isinstance(p[0], dict) else self.encode(p))
                       for p in req.prompt_list()]
-        stream = await self.submit(prompt_ids, [params] * len(prompt_ids), req.request_timeout_s,
-                                   {"prompt": "prompts"}, req.stream)
+        stream = await self.submit(request, prompt_ids, [params] * len(prompt_ids), req.request_timeout_s,
+                                   {"prompt": "prompts"}, req.stream, req.cache_salt)
         if req.stream:
             return event_stream(self._native_sse(stream), stream)
         finals = await self.collect(request, stream)

@@ -16,6 +16,10 @@ DEFAULT_MAX_QUEUE = 256
 class ServerConfig:
     """What ``fastgen serve`` was asked for.
 
+    api_keys: clients must send one of these as ``Authorization: Bearer KEY`` (none = open).
+        Each key is its own tenant: requests of different keys never share cached prefix
+        blocks (docs/server.md, "Prefix caching and tenants").
+
     max_queue: sequences (prompts x ``n``) that may wait to be scheduled; more are refused
         with 429 and ``Retry-After``.
     request_timeout_s: default deadline of every request, from its arrival (``None`` = none);
@@ -30,7 +34,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     max_queue: int = DEFAULT_MAX_QUEUE
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
@@ -45,6 +49,8 @@ class ServerConfig:
                 raise InvalidRequestError(f"{param}: {message}", param=param)
 
         check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        check(all(isinstance(k, str) and k and k == k.strip() and "\n" not in k for k in self.api_keys),
+              "api_key", "each API key must be a non-empty string without surrounding whitespace or newlines")
         check(self.max_queue >= 1, "max_queue", f"must be >= 1, got {self.max_queue}")
         check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s",
               f"must be > 0, got {self.request_timeout_s}")
@@ -55,6 +61,11 @@ class ServerConfig:
         check(all(u.startswith(("http://", "https://")) for u in self.upstreams), "upstreams",
               "each upstream must be an http:// or https:// URL")
         EngineOptions.from_kwargs(self.engine_kwargs)  # unknown or bad engine options fail here, before any load
+
+    @property
+    def api_key(self) -> str | None:
+        """The first API key (``None`` when the server is open); every key is in ``api_keys``."""
+        return self.api_keys[0] if self.api_keys else None
 
     @property
     def engine_kwargs(self) -> dict[str, Any]:
@@ -89,6 +100,9 @@ class ServerConfig:
         if self.upstreams:
             argv += ["--upstream", *self.upstreams]
         for name, value in self.engine_options:
-            if value is not None:
-                argv += ["--" + name.replace("_", "-"), str(value)]
+            flag = name.replace("_", "-")
+            if isinstance(value, bool):  # BooleanOptionalAction flags take no value
+                argv.append(f"--{flag}" if value else f"--no-{flag}")
+            elif value is not None:
+                argv += ["--" + flag, str(value)]
         return argv

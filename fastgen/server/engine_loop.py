@@ -109,6 +109,8 @@ class _Add:
     stream: Stream
     deadline: float | None  # time.perf_counter() value
     future: asyncio.Future
+    tenant: str | None = None        # prefix-cache partition of the API key that sent it
+    cache_salt: str | None = None    # the request's own partition within its tenant
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,8 @@ class EngineLoop:
         self._thread.start()
 
     async def submit(self, prompts: list[str | list[int]], params: list[SamplingParams],
-                     timeout_s: float | None = None, quiet: bool = False) -> Stream:
+                     timeout_s: float | None = None, quiet: bool = False, *, tenant: str | None = None,
+                     cache_salt: str | None = None) -> Stream:
         """Queue one engine request per prompt, all or none; raises the engine's
         :class:`InvalidRequestError`, :class:`QueueFullError`, or :class:`EngineDeadError`."""
         if self.state != "ready":
@@ -189,7 +192,7 @@ class EngineLoop:
         self.num_queued += len(ids)
         future = self._loop.create_future()
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        self._inbox.put(_Add(list(zip(ids, prompts, params)), stream, deadline, future))
+        self._inbox.put(_Add(list(zip(ids, prompts, params)), stream, deadline, future, tenant, cache_salt))
         await future
         return stream
 
@@ -296,7 +299,8 @@ class EngineLoop:
         added: list[str] = []
         try:
             for rid, prompt, params in cmd.requests:
-                self.engine.add_request(prompt, params, request_id=rid)
+                self.engine.add_request(prompt, params, request_id=rid, tenant=cmd.tenant,
+                                        cache_salt=cmd.cache_salt)
                 added.append(rid)
         except Exception as e:
             for rid in added:

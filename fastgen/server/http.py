@@ -5,6 +5,7 @@ does not load torch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import secrets
@@ -43,22 +44,42 @@ async def race_disconnect(request: Request, work):
     return task.result()
 
 
-class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` matches (``/health`` and ``/metrics`` stay open)."""
+def tenant_of(api_key: str) -> str:
+    """The prefix-cache tenant of a key: a digest, so the key itself is not kept in the cache's names."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
 
-    def __init__(self, app, api_key: str) -> None:
+
+def request_tenant(request: Request) -> str | None:
+    """The tenant the API key middleware found for this request (``None`` on an open server)."""
+    return getattr(request.state, "tenant", None)
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` names one of the keys (``/health`` and
+    ``/metrics`` stay open); the key's tenant goes into the request's state."""
+
+    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._keys = [(k.encode(), tenant_of(k)) for k in api_keys]
+
+    def _match(self, token: bytes) -> str | None:
+        tenant = None
+        for key, t in self._keys:  # compare with every key: the time does not tell which one matched
+            if secrets.compare_digest(token, key):
+                tenant = t
+        return tenant
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self._key):
+            tenant = self._match(token.strip()) if scheme.lower() == b"bearer" else None
+            if tenant is None:
                 err = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
                 await err.response()(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
@@ -83,8 +104,8 @@ def create_fastapi_app(title: str, lifespan, config: ServerConfig) -> FastAPI:
     """A FastAPI app with OpenAI-style error bodies and, when configured, the API key check."""
     app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     return app
 
 

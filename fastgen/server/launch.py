@@ -39,8 +39,8 @@ def _die_with_parent() -> None:
 def spawn_server(config: ServerConfig, *, new_session: bool = False) -> subprocess.Popen:
     """``fastgen serve`` with ``config`` in a child process (its output goes to ours)."""
     env = dict(os.environ)
-    if config.api_key:
-        env[API_KEY_ENV] = config.api_key
+    if config.api_keys:
+        env[API_KEY_ENV] = "\n".join(config.api_keys)
     else:
         env.pop(API_KEY_ENV, None)
     argv = [sys.executable, "-m", "fastgen.cli", "serve", *config.to_argv()]
@@ -144,7 +144,7 @@ def serve(model: str | None = None, *, replicas: int = 1, host: str = "127.0.0.1
     from .config import DEFAULT_MAX_QUEUE
 
     config = ServerConfig(model=model, host=host, port=free_port(host) if port is None else port,
-                          served_model_name=served_model_name, api_key=api_key,
+                          served_model_name=served_model_name, api_keys=(api_key,) if api_key else (),
                           max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
                           request_timeout_s=request_timeout_s, replicas=replicas, upstreams=tuple(upstreams),
                           engine_options=tuple(engine_options.items()))

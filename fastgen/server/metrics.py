@@ -48,6 +48,17 @@ class _StateCollector:
         pre = CounterMetricFamily("fastgen_preemptions", "sequences preempted to free KV blocks")
         pre.add_metric([], stats.num_preemptions)
         yield pre
+        cached = GaugeMetricFamily("fastgen_kv_blocks_cached_free",
+                                   "KV blocks no request holds, kept for prefix-cache hits (counted as free)")
+        cached.add_metric([], stats.num_cached_free_blocks)
+        yield cached
+        for name, doc, value in (
+            ("fastgen_prefix_cache_queries", "prompt tokens looked up in the prefix cache", stats.prefix_queried_tokens),
+            ("fastgen_prefix_cache_hits", "prompt tokens found in the prefix cache", stats.prefix_hit_tokens),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
 
 
 class ServerMetrics:

@@ -16,6 +16,8 @@ the KV pool leave after the prompt. ``temperature`` 0 is greedy. fastgen extensi
 ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty`` and
 ``request_timeout_s`` (a deadline counted from arrival; past it the request ends with
 ``finish_reason: "timeout"``). With ``n > 1`` and a ``seed``, choice ``i`` uses ``seed + i``.
+``cache_salt`` (as vLLM's) partitions the prefix cache within the caller's tenant; the usage
+reports ``prompt_tokens_details.cached_tokens``.
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ class _GenerationRequest(_Model):
     ignore_eos: bool = False
     repetition_penalty: float | None = Field(None, gt=0)
     request_timeout_s: float | None = Field(None, gt=0)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -265,6 +268,7 @@ class GenerateRequest(_Model):
     stream: bool = False
     request_timeout_s: float | None = Field(None, gt=0)
     model: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     def prompt_list(self) -> list[str | list[int] | list[dict[str, str]]]:
         """Each prompt as the pipeline takes it (a chat as template dicts)."""
@@ -290,9 +294,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText,
@@ -333,7 +339,8 @@ class ResponseBuilder:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, responses: list[Response], prompt_tokens: int, tools: ToolPlan | None = None) -> dict[str, Any]:
+    def full(self, responses: list[Response], prompt_tokens: int, cached_tokens: int = 0,
+             tools: ToolPlan | None = None) -> dict[str, Any]:
         """``responses``: one per choice, in choice-index order. With ``tools``, a chat choice's
         text is parsed for tool calls."""
         out = []
@@ -354,7 +361,7 @@ class ResponseBuilder:
                 out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         body = self._envelope("text_completion" if self.kind == "completion" else "chat.completion")
         body["choices"] = out
-        body["usage"] = usage(prompt_tokens, sum(r.generated_length for r in responses))
+        body["usage"] = usage(prompt_tokens, sum(r.generated_length for r in responses), cached_tokens)
         return body
 
     def chunk(self, index: int, text: str, finish_reason: str | None, *, first: bool, include_usage: bool,
@@ -386,10 +393,10 @@ class ResponseBuilder:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         body = self._envelope("text_completion" if self.kind == "completion" else "chat.completion.chunk")
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
 

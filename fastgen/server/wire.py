@@ -32,4 +32,5 @@ def response_from_json(body: dict[str, Any]) -> Response:
         timings=Timings(queue_wait_s=t["queue_wait_s"], time_to_first_token_s=t["time_to_first_token_s"],
                         token_times_s=tuple(t["token_times_s"]), e2e_s=t["e2e_s"]),
         logprobs=logprobs(body.get("logprobs")), prompt_logprobs=logprobs(body.get("prompt_logprobs")),
-        num_preemptions=body.get("num_preemptions", 0), error=body.get("error"))
+        num_preemptions=body.get("num_preemptions", 0), error=body.get("error"),
+        num_cached_tokens=body.get("num_cached_tokens", 0))

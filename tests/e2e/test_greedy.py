@@ -79,3 +79,4 @@ def test_prompt_and_output_logprobs_match_transformers_when_split(smollm2_pipe, 
         assert lp.logprob == pytest.approx(want[pos - 1, ids[pos]].item(), abs=2e-3)
     for k, lp in enumerate(r.logprobs):
         assert lp.logprob == pytest.approx(want[n - 1 + k, ids[n + k]].item(), abs=2e-3)
+

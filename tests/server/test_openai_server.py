@@ -16,13 +16,16 @@ from fastgen import FinishReason, InvalidRequestError
 from .conftest import start_server, wait_until
 
 KEY = "test-key"
+KEY2 = "second-tenant-key"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 CHAT = [{"role": "user", "content": "Name three rivers in Europe."}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server("--dtype", "float32", "--num-blocks", "64", "--api-key", KEY)
+def server(tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text(f"# tenants, one key per line\n\n{KEY2}\n")
+    srv = start_server("--dtype", "float32", "--num-blocks", "64", "--api-key", KEY, "--api-key-file", str(key_file))
     yield srv
     assert srv.stop() == 0, srv.log_tail()
 
@@ -221,6 +224,43 @@ def test_api_key_is_required(server, model):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
     assert httpx.get(server.url + "/health").status_code == 200  # open, for load balancers
+
+
+def test_prefix_cache_is_per_tenant_and_salt(server, model):
+    """Each API key is a tenant: the same prompt from another key finds nothing cached, the same
+    key's repeat is a hit; a cache_salt partitions further within the key."""
+    prompt = "You are a meticulous librarian who catalogues rare books. " * 12 + "Describe a first edition."
+    n = len(post(server, "/tokenize", {"prompt": prompt}).json()["tokens"])
+
+    def cached(key: str, stream: bool = False, **extra) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+            r = post(server, "/v1/completions", body, key=key)
+            chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+            return chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        r = post(server, "/v1/completions", body, key=key)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    before = server.metrics()
+    assert cached(KEY) == 0
+    hit = cached(KEY)
+    assert hit == (n - 1) // 32 * 32 >= 96                 # every whole 32-token block before the last token
+    assert cached(KEY2) == 0                               # another tenant: nothing shared
+    assert cached(KEY2, stream=True) == hit                # its own repeat hits (and streams usage)
+    assert cached(KEY, cache_salt="alpha") == 0
+    assert cached(KEY, cache_salt="alpha") == hit
+    assert cached(KEY2, cache_salt="alpha") == 0          # the same salt under another key
+    after = server.metrics()
+    assert after["fastgen_prefix_cache_hits_total"] - before.get("fastgen_prefix_cache_hits_total", 0) == 3 * hit
+    assert after["fastgen_prefix_cache_queries_total"] > before.get("fastgen_prefix_cache_queries_total", 0)
+    assert "fastgen_kv_blocks_cached_free" in after
+    oai = openai.OpenAI(base_url=server.v1, api_key=KEY2, max_retries=0, timeout=120)
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == hit
+    bad = post(server, "/v1/completions", {"model": model, "prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and "cache_salt" in bad.text
 
 
 M = "SmolLM2-135M-Instruct.Q4_1"

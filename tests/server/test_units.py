@@ -32,7 +32,8 @@ class FakeEngine:
         self.done: dict[str, tuple[FinishReason, int]] = {}
         self.want_logprobs: dict[str, bool] = {}
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str) -> str:
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, *,
+                    tenant: str | None = None, cache_salt: str | None = None) -> str:
         if prompt == [666]:
             raise InvalidRequestError("prompt: token 666 is cursed", param="prompt")
         self.order.append(request_id)

@@ -36,6 +36,7 @@ class FakeEngine:
         self.max_running = 0
         self.aborted: list[str] = []
         self.reject_prompt_len = reject_prompt_len
+        self.salts: list[str | None] = []
 
     def clock(self) -> float:
         return self.now
@@ -43,7 +44,8 @@ class FakeEngine:
     def sleep(self, s: float) -> None:
         self.now += s
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, *, tenant=None, cache_salt=None):
+        self.salts.append(cache_salt)
         if len(prompt) == self.reject_prompt_len:
             raise PromptTooLongError("too long", param="prompt")
         assert params.ignore_eos and not params.do_sample
@@ -80,6 +82,7 @@ class FakeEngine:
         r.finish_reason = self.finished.pop(rid)
         r.generated_length = 1
         r.error = None
+        r.num_cached_tokens = 3
         return r
 
 
@@ -104,6 +107,20 @@ def test_closed_loop_keeps_n_requests_in_flight():
     assert run.duration_s == pytest.approx(max(finishes))
     # tokens are stamped when the step returns: 0.1 s apart
     assert recs[3].token_gaps_s == pytest.approx([STEP_S] * 3)
+    assert all(r.cached_prompt_tokens == 3 for r in recs.values())
+
+
+def test_each_load_point_has_its_own_cache_salt():
+    """Points send the same requests: each under its own salt, so none hits its predecessors' blocks."""
+    engine = FakeEngine()
+    t = target(engine)
+    for _ in range(2):
+        t.run(requests_of(1, 1), ClosedLoop(1), RunLimits(2, 100.0))
+    assert len(set(engine.salts)) == 2 and engine.salts[0] == engine.salts[1] != engine.salts[2]
+    off = FakeEngine()
+    EngineTarget(off, clock=off.clock, sleep=off.sleep, salt_per_run=False).run(
+        requests_of(1), ClosedLoop(1), RunLimits(1, 100.0))
+    assert off.salts == [None]
 
 
 def test_closed_loop_is_bounded_in_requests():

@@ -121,3 +121,33 @@ def test_prompts_count_special_tokens(word_tokenizer):
         corpus.prompt(1, rng)          # only room for the BOS token
     with pytest.raises(WorkloadError):
         corpus.prompt(10_000, rng)     # longer than the text
+
+
+def test_shared_prefix_workload_starts_every_prompt_with_the_same_tokens(smollm2_tokenizer):
+    corpus = Corpus.shipped(smollm2_tokenizer)
+    w = PRESETS["shared-1000-64-30"]
+    reqs = build_requests(w, 12, corpus, seed=3, max_model_len=4096)
+    prefix = reqs[0].prompt_token_ids[:1000]
+    assert len({r.prompt_token_ids for r in reqs}) == 12
+    for r in reqs:
+        assert r.prompt_token_ids[:1000] == prefix and r.num_prompt_tokens > 1000
+        assert tuple(smollm2_tokenizer(r.prompt_text)["input_ids"]) == r.prompt_token_ids  # the text is exact
+    assert build_requests(w, 5, corpus, seed=3, max_model_len=4096) == reqs[:5]
+    assert build_requests(w, 5, corpus, seed=4, max_model_len=4096)[0].prompt_token_ids[:1000] != prefix
+
+
+def test_chat_workload_grows_each_history_turn_by_turn(smollm2_tokenizer):
+    corpus = Corpus.shipped(smollm2_tokenizer)
+    w = Workload("chat", 40, 8, turns=3, conversations=4)
+    reqs = build_requests(w, 24, corpus, seed=1, max_model_len=2048)   # 2 blocks of 4 chats x 3 turns
+    for i, r in enumerate(reqs):
+        block, rest = divmod(i, 12)
+        if rest >= 4:                                   # turn 2 or 3: extends the same chat's last turn
+            prev = reqs[i - 4].prompt_token_ids
+            assert r.prompt_token_ids[:len(prev)] == prev and r.num_prompt_tokens > len(prev)
+        else:                                           # a chat's first turn shares nothing with the others
+            assert all(r.prompt_token_ids[:8] != q.prompt_token_ids[:8] for q in reqs[:i] if q is not r)
+        assert tuple(smollm2_tokenizer(r.prompt_text)["input_ids"]) == r.prompt_token_ids
+    assert build_requests(w, 7, corpus, seed=1, max_model_len=2048) == reqs[:7]
+    with pytest.raises(WorkloadError, match="outgrows"):
+        build_requests(Workload("long", 400, 8, turns=6), 48, corpus, seed=0, max_model_len=1024)

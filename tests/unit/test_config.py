@@ -40,3 +40,32 @@ def test_pool_is_sized_from_bytes_or_blocks():
     cfg = resolve_engine_config("m", EngineOptions(dtype="float32", num_blocks=10, max_model_len=99999),
                                 kv_elems_per_token=per_token, model_max_len=8192)
     assert cfg.cache.num_blocks == 10 and cfg.max_model_len == 8192 and cfg.dtype == torch.float32
+
+
+def test_server_argv_round_trips_through_the_cli():
+    """A replica is started from ``to_argv``: bools become --flag / --no-flag, keys never appear."""
+    from fastgen.cli import build_parser
+    from fastgen.server.config import ServerConfig
+
+    config = ServerConfig(api_keys=("k1", "k2"), replicas=2,
+                          engine_options=(("prefix_caching", False), ("int8_activations", True),
+                                          ("budget_tokens", 64)))
+    argv = config.to_argv()
+    assert "k1" not in argv and "--no-prefix-caching" in argv and "--int8-activations" in argv
+    ns = build_parser().parse_args(["serve", *argv])
+    assert (ns.prefix_caching, ns.int8_activations, ns.budget_tokens, ns.replicas) == (False, True, 64, 2)
+
+
+def test_api_keys_from_flags_file_and_environment(tmp_path):
+    from fastgen.cli import api_keys
+    from fastgen.errors import FastgenError
+
+    f = tmp_path / "keys"
+    f.write_text("# ops team\nalpha\n\n  beta  \nalpha\n")
+    assert api_keys(["gamma"], str(f), "ignored") == ("gamma", "alpha", "beta")
+    assert api_keys(None, None, "one\ntwo\n") == ("one", "two")
+    assert api_keys(None, None, None) == ()
+    (tmp_path / "empty").write_text("# nothing\n")
+    for path in (str(tmp_path / "empty"), str(tmp_path / "missing")):
+        with pytest.raises(FastgenError, match="api-key-file"):
+            api_keys(None, path, None)
