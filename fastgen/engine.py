@@ -6,6 +6,7 @@ call ``step`` while ``has_unfinished()``, and collect finished requests with ``r
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -25,7 +26,8 @@ from .model.llama import ModelConfig
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
 from .sampling import SamplingRow, sample
-from .scheduler import make_scheduler
+from .scheduler import StepPlan, make_scheduler
+from .structured import GrammarCompiler
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,9 @@ class Engine:
         self._generator = torch.Generator().manual_seed(secrets.randbits(63))
         self._num_preemptions = 0
         self._last_step = (0, 0)
+        # constrained requests whose grammar is compiling: they join the scheduler when it is ready
+        self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(self.eos_token_ids))
         self.budget_choice: BudgetChoice | None = None   # set when budget_tokens="auto" was measured
 
     @classmethod
@@ -143,7 +148,11 @@ class Engine:
                       cache_root=root_hash(self._cache_model_key, tenant, cache_salt))
         self._requests[request_id] = req
         self._texts[request_id] = TextStream(self.tokenizer.backend_tokenizer, params.stop)
-        self.scheduler.add(req)
+        spec = params.structured
+        if spec is None:
+            self.scheduler.add(req)
+        else:
+            self._compiling[request_id] = (req, self.grammars.submit(spec))
         return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -175,7 +184,7 @@ class Engine:
             self._finish(req, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def response(self, request_id: str) -> Response:
         """The finished request's :class:`Response`; forgets the request."""
@@ -197,7 +206,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting + len(self._compiling), num_running=self.scheduler.num_running,
             num_free_blocks=self.allocator.num_free_blocks, num_used_blocks=self.allocator.num_used_blocks,
             num_preemptions=self._num_preemptions, last_step_prompt_tokens=self._last_step[0],
             last_step_decode_tokens=self._last_step[1],
@@ -208,10 +217,34 @@ class Engine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        failed = self._admit_compiled()
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted_ids)
         if not plan.chunks:
-            return []
+            if not failed and self._compiling:  # nothing to run but grammars to wait for
+                concurrent.futures.wait([f for _, f in self._compiling.values()], timeout=self.COMPILE_WAIT_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            return failed
+        return failed + self._run(plan)
+
+    COMPILE_WAIT_S = 0.05   # an idle engine waits this long for a grammar before step() returns
+
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Hand requests whose grammar has compiled to the scheduler; end those whose compile failed."""
+        failed = []
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                req.grammar_state = self.grammars.matcher(future.result())
+            except Exception as e:  # InvalidRequestError naming the constraint, or xgrammar's own
+                failed.append(self._finish(req, FinishReason.ERROR, str(e)))
+                continue
+            self.scheduler.add(req)
+        return failed
+
+    def _run(self, plan: StepPlan) -> list[StepOutput]:
         reqs = [self._requests[c.request_id] for c in plan.chunks]
         want_prompt_lp = [r.needs_prompt_logprobs for r in reqs]
         seqs = [self._seq_input(r, c.num_tokens, w) for r, c, w in zip(reqs, plan.chunks, want_prompt_lp)]
@@ -223,6 +256,7 @@ class Engine:
                 r.first_scheduled_time = now
         samplers = [(i, r) for i, (r, c) in enumerate(zip(reqs, plan.chunks))
                     if r.num_computed_tokens + c.num_tokens == r.num_tokens]
+        masks = self._fill_masks(samplers)
         try:
             batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
             logits = self.model(batch, self.pool)                  # [num_logits, vocab] fp32
@@ -234,7 +268,7 @@ class Engine:
             for i, r in enumerate(reqs):
                 if want_prompt_lp[i]:
                     self._record_prompt_logprobs(r, r.num_computed_tokens, rows[i])
-            sampled = self._sample(samplers, rows) if samplers else ([], [])
+            sampled = self._sample(samplers, rows, masks) if samplers else ([], [])
         except Exception as e:  # a step-wide failure: fail this step's requests, keep serving
             log.exception("step failed")
             return [self._finish(r, FinishReason.ERROR, f"step failed: {e}") for r in reqs]
@@ -274,13 +308,25 @@ class Engine:
             tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         r.prompt_logprobs.extend(TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops))
 
+    def _fill_masks(self, samplers: list[tuple[int, Request]]) -> concurrent.futures.Future | None:
+        """Start computing the grammar masks of the constrained rows that sample this step, on the
+        mask thread while the forward pass runs. Only sampling rows get one: a prompt chunk
+        that does not end its prompt neither reads nor advances its matcher."""
+        states = [(j, r.grammar_state) for j, (_, r) in enumerate(samplers) if r.grammar_state is not None]
+        if not states:
+            return None
+        assert all(r.grammar_state is None or r.grammar_state.num_accepted == r.num_output_tokens
+                   for _, r in samplers), "a matcher has accepted exactly the generated tokens"
+        return self.grammars.bias_async(states)
+
     def _sample(self, samplers: list[tuple[int, Request]], rows: dict[int, torch.Tensor],
-                ) -> tuple[list[int], list[TokenLogprob | None]]:
+                masks: concurrent.futures.Future | None) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = torch.cat([rows[i][-1:] for i, _ in samplers])     # [num_sampling, vocab]
         srows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                             tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else ())
+                             tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else (),
+                             r.grammar_state)
                  for _, r in samplers]
-        return sample(logits, srows, self._generator)
+        return sample(logits, srows, self._generator, None if masks is None else masks.result())
 
     def _after_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:
         """``tok`` was appended by the scheduler's commit: time it, detokenize, decide the finish."""
@@ -289,7 +335,10 @@ class Engine:
             r.logprobs.append(lp)
         reason = None
         delta = ""
-        if tok in self.eos_token_ids and not r.params.ignore_eos:
+        if r.grammar_state is not None and not r.grammar_state.accept(tok):
+            return self._finish(r, FinishReason.ERROR, f"the output constraint rejected token {tok}")
+        if (tok in self.eos_token_ids and not r.params.ignore_eos) or (
+                r.grammar_state is not None and r.grammar_state.is_terminated):
             reason = FinishReason.STOP
         else:
             delta, stopped = self._texts[r.request_id].push(
@@ -306,6 +355,9 @@ class Engine:
 
     def _finish(self, r: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
         delta = self._texts[r.request_id].flush()  # empty after a stop-string match
+        compiling = self._compiling.pop(r.request_id, None)
+        if compiling is not None:
+            compiling[1].cancel()
         r.finish_reason = reason
         r.error = error
         r.finished_time = time.perf_counter()

@@ -17,14 +17,16 @@ from .request import Response, SamplingParams
 Prompt = str | list[int] | list[dict]
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict]) -> str:
-    """The model's chat template applied to OpenAI-style ``messages``, ready for generation."""
+def apply_chat_template(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The model's chat template applied to OpenAI-style ``messages`` (and ``tools``, for templates
+    that take them), ready for generation."""
     if tokenizer.chat_template is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts",
                                   param="messages")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {} if tools is None else {"tools": tools}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
 class Pipeline:

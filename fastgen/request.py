@@ -10,6 +10,7 @@ its prompt has been processed once.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidRequestError
+from .structured import GrammarSpec, GrammarState, json_schema_text
 
 
 class FinishReason(str, enum.Enum):
@@ -67,6 +69,10 @@ class SamplingParams:
         differently for different batch sizes; in fp32 on CPU the outputs were identical in tests).
     logprobs: ``None`` -> none; ``k >= 0`` -> the chosen token's logprob and the top ``k``.
     prompt_logprobs: like ``logprobs``, for every prompt token after the first.
+    json_schema / json_object / regex / choice / grammar: at most one output constraint
+        (fastgen/structured.py): a JSON schema (dict or JSON text), any JSON object, a regular
+        expression, one of a list of strings, or an EBNF grammar. The output is valid by
+        construction; the request ends with ``stop`` when the grammar is complete.
     """
 
     max_length: int | None = None
@@ -86,8 +92,14 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    json_schema: dict | str | bool | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     MAX_LOGPROBS = 20
+    MAX_CHOICES = 1024
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,6 +140,32 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS), name,
                    f"must be an integer in [0, {self.MAX_LOGPROBS}], got {value!r}")
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        _check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
+        given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) <= 1, given[-1] if given else "", f"give at most one output constraint, got {given}")
+        if self.json_schema is not None:
+            _check(isinstance(self.json_schema, (dict, str)) or self.json_schema is True, "json_schema",
+                   "must be a JSON schema (an object, its JSON text, or true)")
+            object.__setattr__(self, "json_schema", json_schema_text(self.json_schema))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), name, "must be a non-empty string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, tuple) and 0 < len(self.choice) <= self.MAX_CHOICES
+                   and all(isinstance(c, str) and c for c in self.choice), "choice",
+                   f"must be a list of 1 to {self.MAX_CHOICES} non-empty strings")
+        if given:
+            # the grammar decides where the output ends: nothing to force past it or before it
+            _check(not self.ignore_eos, "ignore_eos", f"cannot be combined with {given[0]}: the output "
+                   "ends where the grammar is complete")
+            _check(self.min_new_tokens == 0, "min_new_tokens", f"cannot be combined with {given[0]}: the "
+                   "output ends where the grammar is complete")
 
     MIN_TEMPERATURE = 1e-5   # below this, sampling is greedy (as in vLLM)
     MAX_STOP_STRINGS = 16
@@ -136,6 +174,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature < self.MIN_TEMPERATURE
+
+    @property
+    def structured(self) -> GrammarSpec | None:
+        """The output constraint, if any (validated in ``__post_init__``)."""
+        if self.json_schema is not None:
+            return GrammarSpec("json_schema", self.json_schema)
+        if self.json_object:
+            return GrammarSpec("json_object", "")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            return GrammarSpec("choice", json.dumps(list(self.choice), ensure_ascii=False))
+        if self.grammar is not None:
+            return GrammarSpec("grammar", self.grammar)
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -230,6 +283,7 @@ class Request:
     # outputs
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    grammar_state: GrammarState | None = None   # the output constraint's matcher, once compiled
 
     @property
     def num_prompt_tokens(self) -> int:

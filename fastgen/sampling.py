@@ -1,7 +1,9 @@
 """Vectorised sampling over the rows of one step, each row with its own parameters.
 
-Order, as in transformers: penalties -> (min_new_tokens masks EOS) -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> one draw. A draw is an inverse-CDF lookup
+The logits processors run at one seam, :func:`process_logits`, on the rows that sample only:
+the output constraint's grammar mask (fastgen/structured.py) -> penalties -> suppressed tokens
+(min_new_tokens masks EOS). Then, as in transformers: greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> one draw. A draw is an inverse-CDF lookup
 with a single uniform number per row, taken from the request's own generator when it
 has a seed, so a seeded request's tokens do not depend on its batch mates. Top-p never
 sorts the vocabulary: it widens a top-k window until the window holds ``top_p`` of the
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import SamplingParams, TokenLogprob
+from .structured import GrammarState, apply_grammar_masks
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,19 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     suppress_token_ids: tuple[int, ...]     # e.g. EOS while below min_new_tokens
+    grammar: GrammarState | None = None     # the output constraint, for constrained requests
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow], grammar_bias: torch.Tensor | None = None) -> None:
+    """In place, the logits processors of every row: grammar masks first (so penalties and
+    temperature only ever redistribute mass among allowed tokens), penalties, suppressed tokens.
+    ``grammar_bias``: the grammar rows' masks, when already computed (structured.grammar_bias)."""
+    apply_grammar_masks(logits, [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None], grammar_bias)
+    if any(r.params.has_penalties for r in rows):
+        apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        if r.suppress_token_ids:
+            logits[i, list(r.suppress_token_ids)] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -67,8 +83,9 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generat
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [n, V] fp32, one row per request that samples this step.
+           grammar_bias: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [n, V] fp32, one row per request that samples this step; ``grammar_bias``: see
+    :func:`process_logits`.
 
     Returns the chosen token ids and, for rows that asked for them, their logprobs
     (of the model's distribution, before penalties and temperature).
@@ -76,11 +93,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     n, vocab = logits.shape
     want_lp = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if any(want_lp) else None
-    if any(r.params.has_penalties for r in rows):
-        apply_penalties(logits, rows)
-    for i, r in enumerate(rows):
-        if r.suppress_token_ids:
-            logits[i, list(r.suppress_token_ids)] = float("-inf")
+    process_logits(logits, rows, grammar_bias)
 
     chosen = logits.argmax(-1)
     sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -30,6 +30,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
                        CompletionRequest, GenerateRequest, ResponseBuilder, _Model, model_not_found)
 from .http import create_fastapi_app, race_disconnect, request_tenant, sse
+from .tools import ToolCallStream, ToolPlan, with_tools
 from .wire import response_to_json
 
 log = logging.getLogger(__name__)
@@ -107,11 +108,15 @@ class Server:
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def _template(self, messages: list[dict]) -> str:
-        """The model's chat template applied to ``messages``; a 400 naming ``messages`` if it cannot be."""
+    def _template(self, messages: list[dict], tools: ToolPlan | None = None) -> str:
+        """The model's chat template applied to ``messages`` (and the tools the model may call);
+        a 400 naming ``messages`` if it cannot be."""
         tokenizer = self.engine.tokenizer
+        template_tools = None
+        if tools is not None:
+            messages, template_tools = with_tools(messages, tools, tokenizer.chat_template)
         try:
-            return apply_chat_template(tokenizer, messages)
+            return apply_chat_template(tokenizer, messages, template_tools)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
         except Exception as e:  # a template that rejects these messages (e.g. the roles' order)
@@ -122,8 +127,19 @@ class Server:
             return await self._off_thread(self._encode, prompt)
         return list(prompt)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        return await self._off_thread(lambda: self._encode(self._template(messages)))
+    async def encode_chat(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+        return await self._off_thread(lambda: self._encode(self._template(messages, tools)))
+
+    async def check_constraint(self, params: SamplingParams, param_names: dict[str, str]) -> None:
+        """Compile the output constraint now (off the engine thread): a grammar that does not compile
+        is a 400 here, and the engine's own compile finds it in the compiler's cache."""
+        spec = params.structured
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, spec)
+        except InvalidRequestError as e:
+            raise from_invalid_request(e, param_names) from None
 
     # -- submission ---------------------------------------------------------------------------------
 
@@ -164,6 +180,9 @@ class Server:
         self.check_model(req.model)
         req.check_supported()
         names = dict(PARAM_NAMES)
+        constraint, constraint_names = req.constraint()
+        names.update(constraint_names)
+        tools = None
         if kind == "completion":
             prompt_ids = [await self.encode(p) for p in req.prompts()]
             max_new = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
@@ -171,20 +190,25 @@ class Server:
         else:
             names.update(prompt="messages", max_new_tokens="max_completion_tokens"
                          if req.max_completion_tokens else "max_tokens")
-            prompt_ids = [await self.encode_chat([m.as_template_dict() for m in req.messages])]
+            tools = req.tool_plan()
+            if tools.constrains:
+                constraint = {"json_schema": tools.json_schema()}
+                names["json_schema"] = "tools"
+            prompt_ids = [await self.encode_chat([m.as_template_dict() for m in req.messages], tools)]
             max_new = req.requested_max_tokens or max(1, self.max_total_tokens - len(prompt_ids[0]))
             num_logprobs = req.num_logprobs
         try:
-            params = req.sampling_params(max_new, num_logprobs)
+            params = req.sampling_params(max_new, num_logprobs, constraint)
         except InvalidRequestError as e:
             raise from_invalid_request(e, names) from None
+        await self.check_constraint(params[0], names)
         n = req.n
         stream = await self.submit(request, [ids for ids in prompt_ids for _ in range(n)],
                                    params * len(prompt_ids), req.request_timeout_s, names, req.stream,
                                    req.cache_salt)
         builder = ResponseBuilder(kind, self.model_name, self.token_text)
         if req.stream:
-            return event_stream(self._sse(stream, builder, n, req.include_usage), stream)
+            return event_stream(self._sse(stream, builder, n, req.include_usage, tools), stream)
         finals = await self.collect(request, stream)
         responses = []
         for i in range(len(finals)):
@@ -195,10 +219,14 @@ class Server:
             responses.append(d.response)
         prompt_tokens = sum(responses[p * n].prompt_length for p in range(len(prompt_ids)))
         cached_tokens = sum(responses[p * n].num_cached_tokens for p in range(len(prompt_ids)))
-        return JSONResponse(builder.full(responses, prompt_tokens, cached_tokens))
+        return JSONResponse(builder.full(responses, prompt_tokens, cached_tokens, tools))
 
     async def _sse(self, stream: Stream, builder: ResponseBuilder, n: int,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   include_usage: bool, tools: ToolPlan | None = None) -> AsyncIterator[str]:
+        if tools is not None and tools.mode != "none":
+            async for event in self._tool_sse(stream, builder, n, include_usage, tools):
+                yield event
+            return
         started: set[int] = set()
         pending: dict[int, list[TokenLogprob]] = {}  # per choice: logprobs of tokens not yet sent
         prompt_tokens = completion_tokens = cached_tokens = 0
@@ -226,6 +254,41 @@ class Server:
         finally:
             stream.close()
 
+    async def _tool_sse(self, stream: Stream, builder: ResponseBuilder, n: int, include_usage: bool,
+                        tools: ToolPlan) -> AsyncIterator[str]:
+        """A chat stream whose choices may call tools: each choice's text goes through its
+        :class:`ToolCallStream`; a choice that called a tool finishes with ``tool_calls``."""
+        choices: dict[int, ToolCallStream] = {}
+        prompt_tokens = completion_tokens = cached_tokens = 0
+        try:
+            async for d in stream:
+                if d.response is not None:
+                    completion_tokens += d.response.generated_length
+                    if d.index % n == 0:
+                        prompt_tokens += d.response.prompt_length
+                        cached_tokens += d.response.num_cached_tokens
+                if d.finish_reason == "error":
+                    msg = d.response.error if d.response is not None else "the engine failed"
+                    yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
+                    continue
+                first = d.index not in choices
+                calls = choices.setdefault(d.index, ToolCallStream(tools))
+                deltas = calls.push(d.text) if d.text else []
+                if d.finish_reason is not None:
+                    deltas += calls.finish()
+                if first:
+                    deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+                for delta in deltas:
+                    yield sse(builder.chat_chunk(d.index, delta, None, include_usage=include_usage))
+                if d.finish_reason is not None:
+                    reason = "tool_calls" if calls.called and d.finish_reason == "stop" else d.finish_reason
+                    yield sse(builder.chat_chunk(d.index, {}, reason, include_usage=include_usage))
+            if include_usage:
+                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))
+            yield SSE_DONE
+        finally:
+            stream.close()
+
     # -- fastgen's native endpoint (the Python client's) -----------------------------------------
 
     async def generate(self, request: Request) -> Response:
@@ -241,6 +304,7 @@ class Server:
             params = req.sampling_params()
         except (InvalidRequestError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
+        await self.check_constraint(params, {})
         prompt_ids = [await (self.encode_chat(p) if p and isinstance(p[0], dict) else self.encode(p))
                       for p in req.prompt_list()]
         stream = await self.submit(request, prompt_ids, [params] * len(prompt_ids), req.request_timeout_s,

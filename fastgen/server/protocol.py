@@ -3,8 +3,12 @@ the JSON bodies of responses and stream chunks.
 
 Requests are validated strictly (``"temperature": "0.5"`` is a type error, an unknown field is
 rejected by name): a parameter we do not implement is refused, never ignored. OpenAI fields
-that only have a meaning we do not support (``echo``, ``best_of``, ``logit_bias``, ``tools``...)
-are accepted at their neutral value and refused otherwise.
+that only have a meaning we do not support (``echo``, ``best_of``, ``logit_bias``...) are accepted
+at their neutral value and refused otherwise.
+
+Structured outputs (fastgen/structured.py): ``response_format`` (``text``, ``json_object``,
+``json_schema``) on both endpoints, or vLLM's ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``grammar``), one constraint per request. Tools: fastgen/server/tools.py.
 
 Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``n`` 1; ``max_tokens`` is 16 for
 ``/v1/completions`` (as OpenAI's legacy endpoint) and, for chat, whatever room the context and
@@ -17,6 +21,7 @@ reports ``prompt_tokens_details.cached_tokens``.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Callable, Literal
@@ -25,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..request import Response, SamplingParams, TokenLogprob
 from .errors import APIError, bad_request
+from .tools import Tool, ToolChoice, ToolPlan
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_N = 64
@@ -39,6 +45,28 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None               # always enforced: the output is constrained
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's ``structured_outputs`` (one of them)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _GenerationRequest(_Model):
@@ -63,6 +91,32 @@ class _GenerationRequest(_Model):
     repetition_penalty: float | None = Field(None, gt=0)
     request_timeout_s: float | None = Field(None, gt=0)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def constraint(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The output constraint as SamplingParams kwargs, and the HTTP names of those kwargs."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+        if rf is not None and rf.type == "json_object":
+            return {"json_object": True}, {"json_object": "response_format"}
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request("response_format: json_schema.schema is required", "response_format")
+            return {"json_schema": rf.json_schema.schema_}, {"json_schema": "response_format"}
+        if rf is not None and rf.json_schema is not None:
+            raise bad_request("response_format: json_schema is only allowed with type json_schema",
+                              "response_format")
+        if so is None:
+            return {}, {}
+        given = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar), ("json_object", so.json_object or None))
+                 if v is not None}
+        if len(given) != 1:
+            raise bad_request("structured_outputs: give exactly one of json, regex, choice, grammar, json_object",
+                              "structured_outputs")
+        return given, {k: "structured_outputs" for k in given}
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -74,7 +128,8 @@ class _GenerationRequest(_Model):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def sampling_params(self, max_new_tokens: int, logprobs: int | None,
+                        constraint: dict[str, Any] | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (``n``); raises the engine's InvalidRequestError."""
         if self.min_tokens > max_new_tokens:
             raise bad_request(f"min_tokens ({self.min_tokens}) must not exceed the maximum number of "
@@ -87,7 +142,7 @@ class _GenerationRequest(_Model):
             min_p=self.min_p or 0.0, stop=_stops(self.stop), ignore_eos=self.ignore_eos,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            logprobs=logprobs)
+            logprobs=logprobs, **(constraint or {}))
         return [SamplingParams(**common, seed=None if self.seed is None else self.seed + i)
                 for i in range(self.n)]
 
@@ -130,16 +185,43 @@ class TextPart(_Model):
     text: str
 
 
+class CalledFunction(_Model):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Model):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                   # a tool's answer to one of them
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:  # templates read the arguments as an object
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: MessageToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise bad_request(f"messages: the arguments of tool call {call.id!r} are not JSON", "messages") from None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -147,19 +229,21 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=SamplingParams.MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None    # only {"type": "text"}
-    tools: list[dict[str, Any]] | None = None        # only empty
-    tool_choice: str | dict[str, Any] | None = None  # only "none"
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan:
+        plan = ToolPlan.build(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if plan.mode != "none" and self.constraint()[0]:
+            raise bad_request("tools (with tool_choice other than none) cannot be combined with an output "
+                              "constraint (response_format or structured_outputs)", "tool_choice")
+        if plan.mode != "none" and self.stream and self.logprobs:
+            raise bad_request("logprobs are not streamed for requests with tools (ask without stream)", "logprobs")
+        return plan
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
 
@@ -255,8 +339,10 @@ class ResponseBuilder:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, responses: list[Response], prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-        """``responses``: one per choice, in choice-index order."""
+    def full(self, responses: list[Response], prompt_tokens: int, cached_tokens: int = 0,
+             tools: ToolPlan | None = None) -> dict[str, Any]:
+        """``responses``: one per choice, in choice-index order. With ``tools``, a chat choice's
+        text is parsed for tool calls."""
         out = []
         for i, r in enumerate(responses):
             reason = r.finish_reason.value
@@ -265,8 +351,14 @@ class ResponseBuilder:
                 out.append({"index": i, "text": r.generated_text, "logprobs": lp, "finish_reason": reason})
             else:
                 lp = None if r.logprobs is None else chat_logprobs(r.logprobs, self.token_text)
-                out.append({"index": i, "message": {"role": "assistant", "content": r.generated_text},
-                            "logprobs": lp, "finish_reason": reason})
+                message: dict[str, Any] = {"role": "assistant", "content": r.generated_text}
+                if tools is not None and tools.mode != "none":
+                    content, calls = tools.parse(r.generated_text)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [c.as_json() for c in calls]
+                        reason = "tool_calls" if reason == "stop" else reason
+                out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         body = self._envelope("text_completion" if self.kind == "completion" else "chat.completion")
         body["choices"] = out
         body["usage"] = usage(prompt_tokens, sum(r.generated_length for r in responses), cached_tokens)
@@ -284,11 +376,19 @@ class ResponseBuilder:
             body = self._envelope("text_completion")
             body["choices"] = [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]
         else:
-            lp = chat_logprobs(logprobs, self.token_text) if logprobs else None
-            body = self._envelope("chat.completion.chunk")
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text else {})
-            body["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
+            return self.chat_chunk(index, delta, finish_reason, include_usage=include_usage, logprobs=logprobs)
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def chat_chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None, *, include_usage: bool,
+                   logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+        """One chat choice's chunk with this ``delta`` (content, or tool calls)."""
+        body = self._envelope("chat.completion.chunk")
+        lp = chat_logprobs(logprobs, self.token_text) if logprobs else None
+        body["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
         if include_usage:
             body["usage"] = None
         return body
