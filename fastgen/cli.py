@@ -78,7 +78,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None, max_queue=ns.max_queue,
         request_timeout_s=ns.request_timeout_s, drain_timeout_s=ns.drain_timeout_s, replicas=ns.replicas,
         upstreams=tuple(ns.upstream or ()), engine_options=tuple(_split(ns, EngineOptions).items()),
-        log_level=ns.log_level)
+        log_level=ns.log_level, trace_file=ns.trace_file)
     return run_server(config)
 
 
@@ -105,6 +105,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--upstream", nargs="+", metavar="URL", default=None,
                        help="balance over these `fastgen serve` URLs instead of running an engine")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--trace-file", default=None, metavar="PATH",
+                       help="write every engine step record and request event as JSON lines "
+                            "(`fastgen trace PATH` draws them; with --replicas, PATH.0, PATH.1, ...)")
     _add_dataclass_options(serve, EngineOptions)
     serve.set_defaults(func=cmd_serve)
 

@@ -146,24 +146,20 @@ def to_json(record: Record) -> dict[str, Any]:
 
 
 class TraceWriter:
-    """Writes records as JSON lines (``--trace-file``), flushed every ``flush_every`` lines."""
+    """Writes records as JSON lines (``--trace-file``), flushed after each batch (one per step),
+    so that a reader (``tail -f``) or a killed process loses at most the step in hand."""
 
-    def __init__(self, path: str, flush_every: int = 64) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
         self._file: IO[str] = open(path, "w", encoding="utf-8")
-        self._flush_every = flush_every
-        self._pending = 0
         self.num_written = 0
 
     def write(self, records: Iterable[Record]) -> None:
         f = self._file
         for r in records:
             f.write(json.dumps(to_json(r), separators=(",", ":")) + "\n")
-            self._pending += 1
             self.num_written += 1
-        if self._pending >= self._flush_every:
-            f.flush()
-            self._pending = 0
+        f.flush()
 
     def close(self) -> None:
         if not self._file.closed:

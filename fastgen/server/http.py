@@ -19,7 +19,7 @@ from .errors import APIError
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})  # the page holds no data; its feed is keyed
 
 
 
@@ -44,7 +44,8 @@ async def race_disconnect(request: Request, work):
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` matches (``/health`` and ``/metrics`` stay open)."""
+    """401 unless ``Authorization: Bearer <key>`` matches (``/health``, ``/metrics`` and the
+    dashboard's page, which holds no data, stay open; its feed is keyed)."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
