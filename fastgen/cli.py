@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the serving benchmark (paper methodology); `fastgen bench --help` for its options")
     sub.add_parser("eval-ppl", add_help=False,
                    help="perplexity and greedy agreement of each precision mode; `fastgen eval-ppl --help`")
+    sub.add_parser("trace", add_help=False,
+                   help="draw a --trace-file's batch composition over time as a PNG; `fastgen trace --help`")
     return parser
 
 
@@ -140,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import cli_main
 
         return cli_main(args[1:])
+    if args[:1] == ["trace"]:
+        from .trace import main as trace_main
+
+        return trace_main(args[1:])
     if args[:1] == ["eval-ppl"]:
         from .evaluate import main as eval_main
 

@@ -151,6 +151,9 @@ def run_parser() -> argparse.ArgumentParser:
     o.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     o.add_argument("--title", default="", help="added to the plots' titles")
     o.add_argument("--no-plots", dest="plots", action="store_false")
+    o.add_argument("--trace-file", default=None, metavar="PATH",
+                   help="in-process engine: keep its step records and request events as JSON lines "
+                        "(one file per scheduler: PATH.POLICY.jsonl with several); `fastgen trace PATH` draws them")
     return p
 
 
@@ -206,7 +209,7 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
                         max_seqs=cfg.scheduler.max_seqs, num_blocks=cfg.cache.num_blocks,
                         block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len)
         warm_up(engine)
-        target = EngineTarget(engine)
+        target = EngineTarget(engine, trace=_trace_writer(args.trace_file, policy, len(args.scheduler)))
         label = f"{policy} {args.label}" if args.label else policy
         done = []
         for load, limits in points:
@@ -214,6 +217,17 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
             print(describe_point(label, load, run, sla), flush=True)
             done.append(Point(load, run))
         yield Series(label, "engine", tuple(done))
+
+
+def _trace_writer(path: str | None, policy: str, num_policies: int):
+    if not path:
+        return None
+    from ..telemetry import TraceWriter
+
+    if num_policies > 1:
+        stem, dot, ext = path.rpartition(".")
+        path = f"{stem}.{policy}.{ext}" if dot and "/" not in ext else f"{path}.{policy}.jsonl"
+    return TraceWriter(path)
 
 
 def http_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
