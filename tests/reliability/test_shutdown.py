@@ -1,0 +1,105 @@
+"""Ending a server: SIGTERM under load drains and exits 0; streams that outlive the drain timeout
+end with a final chunk, an error event and ``[DONE]`` (no ASGI traceback in the log); and a port
+already in use fails at once, before any model is loaded."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from ..server.conftest import start_server, wait_until
+from .conftest import SERVE_ARGS
+
+
+def stream_lines(url: str, body: dict, out: list, started: threading.Event | None = None) -> None:
+    """Every SSE data line of one streamed completion, into ``out`` (an exception, if any, too)."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.append(line[6:])
+                    if started is not None:
+                        started.set()
+    except Exception as e:  # recorded: the test says which stream broke and how
+        out.append(e)
+
+
+def test_streams_past_the_drain_timeout_end_with_a_final_chunk_an_error_and_done(tiny_model):
+    srv = start_server(tiny_model, *SERVE_ARGS, "--drain-timeout-s", "0.5", "--served-model-name", "tiny")
+    body = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    outs = [[] for _ in range(4)]
+    events = [threading.Event() for _ in outs]
+    threads = [threading.Thread(target=stream_lines, args=(srv.url, body, o, e)) for o, e in zip(outs, events)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(30) for e in events)
+    assert srv.stop(signal.SIGTERM) == 0, srv.log_tail()
+    for t in threads:
+        t.join(30)
+    for out in outs:
+        assert not any(isinstance(x, Exception) for x in out), out[-3:]
+        assert out[-1] == "[DONE]", out[-3:]
+        final, error = json.loads(out[-3]), json.loads(out[-2])
+        assert final["choices"][0]["finish_reason"] == "abort"
+        assert error["error"]["code"] == "server_shutdown" and "drain timeout" in error["error"]["message"]
+        assert 1 < len(out) - 3 < 1000  # it was cut, after streaming some tokens
+    log = srv.log_tail(20000)
+    assert "draining 4 request(s) in flight" in log and "cutting 4 request(s)" in log
+    assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log
+
+
+def test_sigterm_during_load_drains_every_request_and_exits_0(tiny_model):
+    srv = start_server(tiny_model, *SERVE_ARGS, "--drain-timeout-s", "30", "--served-model-name", "tiny")
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 150, "ignore_eos": True}
+    streamed = [[] for _ in range(6)]
+    started = threading.Event()
+    plain: list = []
+
+    def one_plain() -> None:
+        try:
+            plain.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=60))
+        except Exception as e:
+            plain.append(e)
+
+    threads = [threading.Thread(target=stream_lines, args=(srv.url, {**body, "stream": True}, o, started))
+               for o in streamed] + [threading.Thread(target=one_plain) for _ in range(6)]
+    for t in threads:
+        t.start()
+    assert started.wait(30)
+    assert wait_until(lambda: srv.metrics().get("fastgen_requests_running", 0) >= 6, timeout_s=20)
+    assert srv.stop(signal.SIGTERM) == 0, srv.log_tail()
+    for t in threads:
+        t.join(60)
+    for out in streamed:
+        assert out[-1] == "[DONE]" and json.loads(out[-2])["choices"][0]["finish_reason"] == "length", out[-3:]
+    assert len(plain) == 6
+    for r in plain:
+        assert isinstance(r, httpx.Response) and r.status_code == 200, r
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 150
+    log = srv.log_tail(20000)
+    assert "drained: all" in log and "Traceback" not in log
+
+
+def test_a_port_in_use_fails_at_once_before_loading(tiny_model):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "fastgen.cli", "serve", tiny_model, "--port", str(port),
+                              "--dtype", "float32"], capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - start
+    assert out.returncode == 2, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "already in use" in out.stderr
+    assert "serving at" not in out.stderr and "loading" not in out.stderr.lower()
+    assert "Traceback" not in out.stderr and "Errno" not in out.stderr
+    assert elapsed < 30
+
