@@ -137,3 +137,49 @@ def test_the_models_sampling_defaults_apply_when_the_request_gives_none(tiny_ser
     assert text(seed=1) == text(seed=2) == greedy         # generation_config's top_k 1
     sampled = {text(seed=s, top_k=0, temperature=1.0) for s in range(4)}   # the request's own values win
     assert len(sampled) > 1
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(tiny_server):
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[2] / "docs/grafana/fastgen-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bfastgen_\w+", e)}
+    exported = set(httpx.get(tiny_server.url + "/metrics").text.split())
+    names = {w.split("{")[0] for w in exported if w.startswith("fastgen_")}
+    missing = {m for m in used if m not in names and not m.startswith("fastgen_balancer_")}
+    assert not missing, missing
+    assert len(dashboard["panels"]) >= 8
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no headless Chromium on this machine (Debian: apt-get install chromium)")
+def test_headless_chromium_sees_the_step_chart_update_and_the_request_table_fill(tiny_server, tmp_path):
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": ["Hello there", "Once upon a time"],
+                                                  "max_tokens": 200, "ignore_eos": True})
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        out = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000",
+                              "--virtual-time-budget=6000", "--enable-logging=stderr", "--v=0", "--dump-dom",
+                              f"{tiny_server.url}/dashboard#key={KEY}"],
+                             capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    finally:
+        stop.set()
+        t.join(60)
+    dom = out.stdout
+    m = re.search(r"steps seen (\d+)", dom)
+    assert m and int(m.group(1)) > 0, dom[-2000:]
+    assert re.search(r'<tbody id="live"><tr><td>\d+-\d+</td>', dom), "the request table stayed empty"
+    assert ">live<" in dom
+    assert "Uncaught" not in out.stderr and "CONSOLE" not in out.stderr, out.stderr[-2000:]
