@@ -281,7 +281,7 @@ class Balancer:
             ok, status = False, f"{type(e).__name__}"
         if ok:
             if u.state != "up":
-                log.warning("upstream %s is up", u.url)
+                log.info("upstream %s is up", u.url)
             u.state = "up"
             u.num_failed_health = 0
             return
