@@ -167,7 +167,10 @@ def run_server(config: ServerConfig) -> int:
             announced = False
             while not server.should_exit:
                 if engine_loop.state == "ready" and not announced:
-                    _banner(f"ready at {url}")
+                    defaults = engine_loop.engine.generation_defaults
+                    if defaults is not None:
+                        _banner(f"sampling defaults for requests that give none: {defaults.describe()}")
+                    _banner(f"ready at {url} (dashboard: {url}/dashboard)")
                     announced = True
                 if engine_loop.state == "failed":
                     _banner(f"the engine failed: {engine_loop.error}; shutting down")
