@@ -208,6 +208,7 @@ def main(argv=None) -> int:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text + "\n")
     return 0 if tally.lost == 0 and rc == 0 else 1
