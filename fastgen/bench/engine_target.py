@@ -60,7 +60,7 @@ class EngineTarget:
         self.sleep = sleep
         self._num_runs = 0
         self.trace = trace          # gets the engine's step records and request events (--trace-file)
-        self._seen_seq = engine.events.last_seq
+        self._seen_seq = engine.events.last_seq if trace is not None else 0
 
     def run(self, requests: Sequence[BenchRequest], load: Load, limits: RunLimits,
             desc: str = "") -> RunResult:
