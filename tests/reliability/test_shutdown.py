@@ -36,6 +36,13 @@ def test_sigterm_under_load_drains_what_finishes_and_cuts_the_rest_cleanly(tiny_
     finish during the drain; four long streams are cut, each with a final chunk, an error event
     and [DONE]; the process exits 0 and its log names both, without a traceback."""
     srv = start_server(tiny_model, *SERVE_ARGS, "--drain-timeout-s", "1.5", "--served-model-name", "tiny")
+    try:
+        _drain_and_cut(srv)
+    finally:
+        srv.stop(signal.SIGKILL, timeout_s=10)  # only if a failed check left it running
+
+
+def _drain_and_cut(srv) -> None:
     long_body = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 1000, "ignore_eos": True,
                  "stream": True}
     short_body = {"model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
