@@ -2,13 +2,14 @@
 # `make test` : set up .venv and run the test suite
 # `make bench`: the engine benchmark (machine limits, prefill, decode, step-size curve)
 # `make eval` : perplexity and greedy agreement of each precision mode (fastgen eval-ppl)
+# `make soak` : 30 minutes of loopback load that keeps the KV pool exhausted (docs/reliability.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run generate test bench eval clean
+.PHONY: setup run generate test bench eval soak clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +37,10 @@ bench: setup
 
 eval: setup
 	$(VENV)/bin/fastgen eval-ppl
+
+SOAK_S ?= 1800
+soak: setup
+	$(PY) -m fastgen.bench.soak --duration-s $(SOAK_S) --out bench-results/soak.json
 
 clean:
 	rm -rf $(VENV) bench-results

@@ -1,4 +1,6 @@
-"""``fastgen generate`` and ``fastgen serve`` (later ``bench``): the command line over the public API."""
+"""fastgen's command line: ``generate`` (one prompt, in-process), ``serve`` (the OpenAI-compatible
+server), ``bench`` (the serving benchmark), ``eval-ppl`` (precision modes) and ``trace`` (a
+--trace-file drawn as a PNG)."""
 from __future__ import annotations
 
 import argparse
@@ -14,9 +16,60 @@ from .errors import FastgenError
 from .request import SamplingParams
 
 
+# help of EngineOptions' fields (its docstring leaves them to docs/architecture.md)
+_ENGINE_HELP = {
+    "dtype": "auto (bf16 on AMX/AVX512-BF16 CPUs and CUDA, else fp32) | float32 | bfloat16 | float16",
+    "device": "cpu or cuda[:N] (default: cuda when available, else cpu)",
+    "num_threads": "torch threads (default: the cores this process may use)",
+    "block_size": "tokens per KV cache block",
+    "num_blocks": "KV cache blocks (default: as many as --kv-cache-bytes holds)",
+    "kv_cache_bytes": "memory for the KV cache when --num-blocks is not given",
+    "budget_tokens": "tokens per forward pass; auto = measured at start-up against --target-itl-ms",
+    "target_itl_ms": "inter-token latency the auto budget aims at",
+    "max_seqs": "sequences running (holding KV blocks) at once",
+    "reserve_blocks": "free blocks kept back when admitting a prompt, so decodes can grow",
+    "max_model_len": "context length cap (default: the model's)",
+    "scheduler": "splitfuse (Dynamic SplitFuse) | the baselines of fastgen.scheduler",
+    "kernels": "auto | native (fastgen's CPU kernels) | torch",
+    "quantization": "auto (a GGUF's weights as shipped) | none | int8 | int4",
+    "int8_activations": "int8 activations in the int8 GEMMs (faster, less exact)",
+}
+
+
+_SAMPLING_HELP = {  # SamplingParams' docstring leaves these to their usual meanings
+    "temperature": "softmax temperature of sampling",
+    "top_p": "nucleus sampling: sample among the most likely tokens holding this probability mass",
+    "top_k": "sample among the k most likely tokens (0 = off)",
+    "min_p": "drop tokens less likely than min_p times the most likely one (0 = off)",
+}
+
+
+def _field_help(cls: type) -> dict[str, str]:
+    """``name: text`` entries of a dataclass docstring (continued on indented lines), by field."""
+    if cls.__name__ == "EngineOptions":
+        return _ENGINE_HELP
+    out: dict[str, str] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    current: list[str] | None = None
+    for line in (cls.__doc__ or "").splitlines():
+        head, sep, text = line.strip().partition(": ")
+        keys = [k.strip() for k in head.split("/")]
+        if sep and keys and all(k in names for k in keys):
+            current = [text.strip()]
+            for k in keys:
+                out[k] = current  # type: ignore[assignment]
+        elif current is not None and line.startswith("        ") and line.strip():
+            current.append(line.strip())
+        else:
+            current = None
+    helps = {k: " ".join(v).replace("%", "%%") for k, v in out.items()}
+    return {**_SAMPLING_HELP, **helps} if cls.__name__ == "SamplingParams" else helps
+
+
 def _add_dataclass_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """One ``--flag`` per field of ``cls``; only flags given on the command line are passed on."""
     hints = typing.get_type_hints(cls)
+    helps = _field_help(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -24,15 +77,20 @@ def _add_dataclass_options(parser: argparse.ArgumentParser, cls: type, skip: tup
         hint = hints[f.name]
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = helps.get(f.name, "")
+        help_text = f"{text} (default: {default})" if text and default not in (None, ()) else (text or None)
         if int in args and str in args:  # a number or "auto"
-            parser.add_argument(flag, type=_int_or_auto, default=argparse.SUPPRESS, metavar="N|auto")
+            parser.add_argument(flag, type=_int_or_auto, default=argparse.SUPPRESS, metavar="N|auto", help=help_text)
         elif base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
         elif typing.get_origin(hint) is tuple:
             parser.add_argument(flag, action="append", default=argparse.SUPPRESS, metavar="STR",
-                                help="may be repeated")
+                                help=f"{text} (may be repeated)" if text else "may be repeated")
         else:
-            parser.add_argument(flag, type=base if base in (int, float) else str, default=argparse.SUPPRESS)
+            parser.add_argument(flag, type=base if base in (int, float) else str, default=argparse.SUPPRESS,
+                                help=help_text)
 
 
 def _int_or_auto(value: str) -> int | str:
@@ -98,7 +156,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         api_keys=api_keys(ns.api_key, ns.api_key_file, os.environ.get(API_KEY_ENV)), max_queue=ns.max_queue,
         request_timeout_s=ns.request_timeout_s, drain_timeout_s=ns.drain_timeout_s, replicas=ns.replicas,
         upstreams=tuple(ns.upstream or ()), engine_options=tuple(_split(ns, EngineOptions).items()),
-        log_level=ns.log_level)
+        log_level=ns.log_level, trace_file=ns.trace_file)
     return run_server(config)
 
 
@@ -128,12 +186,18 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--upstream", nargs="+", metavar="URL", default=None,
                        help="balance over these `fastgen serve` URLs instead of running an engine")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--trace-file", default=None, metavar="PATH",
+                       help="write every engine step record and request event as JSON lines "
+                            "(`fastgen trace PATH` draws them; with --replicas, PATH.0, PATH.1, ...)")
     _add_dataclass_options(serve, EngineOptions)
     serve.set_defaults(func=cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="fastgen", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fastgen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt with an in-process engine")
     gen.add_argument("prompt")
@@ -151,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the serving benchmark (paper methodology); `fastgen bench --help` for its options")
     sub.add_parser("eval-ppl", add_help=False,
                    help="perplexity and greedy agreement of each precision mode; `fastgen eval-ppl --help`")
+    sub.add_parser("trace", add_help=False,
+                   help="draw a --trace-file's batch composition over time as a PNG; `fastgen trace --help`")
     return parser
 
 
@@ -161,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import cli_main
 
         return cli_main(args[1:])
+    if args[:1] == ["trace"]:
+        from .trace import main as trace_main
+
+        return trace_main(args[1:])
     if args[:1] == ["eval-ppl"]:
         from .evaluate import main as eval_main
 

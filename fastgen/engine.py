@@ -22,12 +22,14 @@ from .cache import BlockAllocator, KVPool, root_hash
 from .calibrate import BudgetChoice, calibrate_engine_budget
 from .config import EngineConfig, EngineOptions, resolve_engine_config
 from .errors import InvalidRequestError, PromptTooLongError
+from .generation_defaults import read_generation_defaults
 from .model.llama import ModelConfig
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
 from .sampling import SamplingRow, sample
 from .scheduler import StepPlan, make_scheduler
 from .structured import GrammarCompiler
+from .telemetry import EventKind, EventLog, RequestEvent, RequestProgress, StepRecord
 from .text import TextStream
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class Engine:
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(self.eos_token_ids))
         self.budget_choice: BudgetChoice | None = None   # set when budget_tokens="auto" was measured
+        self.events = EventLog()          # per-step records and request lifecycle events (telemetry.py)
+        self.generation_defaults = None   # GenerationDefaults of the model's files, set by from_pretrained
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":
@@ -107,6 +111,7 @@ class Engine:
                 config, scheduler=dataclasses.replace(config.scheduler, budget_tokens=budget.budget_tokens))
         engine = cls(config, net, load_tokenizer(path), model_config)
         engine.budget_choice = budget
+        engine.generation_defaults = read_generation_defaults(path)
         return engine
 
     # -- requests ---------------------------------------------------------------------
@@ -124,10 +129,11 @@ class Engine:
         n = len(prompt_ids)
         limit = min(self.config.max_model_len, params.max_length or self.config.max_model_len)
         if n >= limit:
+            why = f"max_model_len={self.config.max_model_len}" + (
+                "" if params.max_length is None else f", max_length={params.max_length}")
             raise PromptTooLongError(
                 f"prompt has {n} tokens; the limit is {limit - 1} so that at least one token can be "
-                f"generated (max_model_len={self.config.max_model_len}, max_length={params.max_length})",
-                param="prompt")
+                f"generated ({why})", param="prompt")
         max_total_tokens = min(limit, n + params.max_new_tokens)
         capacity = self.config.cache.num_blocks * self.config.cache.block_size
         if max_total_tokens - 1 > capacity:  # the last generated token is never fed back
@@ -153,6 +159,7 @@ class Engine:
             self.scheduler.add(req)
         else:
             self._compiling[request_id] = (req, self.grammars.submit(spec))
+        self._event(EventKind.ARRIVED, req)
         return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -218,6 +225,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         failed = self._admit_compiled()
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         self._num_preemptions += len(plan.preempted_ids)
         if not plan.chunks:
@@ -225,7 +233,11 @@ class Engine:
                 concurrent.futures.wait([f for _, f in self._compiling.values()], timeout=self.COMPILE_WAIT_S,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             return failed
-        return failed + self._run(plan)
+        try:
+            return failed + self._run(plan)
+        finally:
+            if self.events.enabled:
+                self._record_step(plan, start)
 
     COMPILE_WAIT_S = 0.05   # an idle engine waits this long for a grammar before step() returns
 
@@ -254,6 +266,7 @@ class Engine:
         for r in reqs:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
+                self._event(EventKind.SCHEDULED, r)
         samplers = [(i, r) for i, (r, c) in enumerate(zip(reqs, plan.chunks))
                     if r.num_computed_tokens + c.num_tokens == r.num_tokens]
         masks = self._fill_masks(samplers)
@@ -271,6 +284,7 @@ class Engine:
             sampled = self._sample(samplers, rows, masks) if samplers else ([], [])
         except Exception as e:  # a step-wide failure: fail this step's requests, keep serving
             log.exception("step failed")
+            self._step_failed = True
             return [self._finish(r, FinishReason.ERROR, f"step failed: {e}") for r in reqs]
 
         tokens, lps = sampled
@@ -331,6 +345,8 @@ class Engine:
     def _after_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:
         """``tok`` was appended by the scheduler's commit: time it, detokenize, decide the finish."""
         r.token_times.append(now)
+        if len(r.token_times) == 1:
+            self._event(EventKind.FIRST_TOKEN, r)
         if r.logprobs is not None:
             r.logprobs.append(lp)
         reason = None
@@ -362,4 +378,40 @@ class Engine:
         r.error = error
         r.finished_time = time.perf_counter()
         self.scheduler.finish(r)
+        self._event(EventKind.FINISHED, r)
         return StepOutput(r.request_id, (), delta, reason)
+
+    # -- telemetry (telemetry.py): one small frozen record per step and per lifecycle event ------
+
+    _step_failed = False
+
+    def _event(self, kind: EventKind, r: Request) -> None:
+        events = self.events
+        if not events.enabled:
+            return
+        t0 = r.arrival_time
+        now = time.perf_counter()
+        events.append(RequestEvent(
+            events.next_seq(), now, kind, r.request_id, r.num_prompt_tokens, r.num_output_tokens,
+            r.params.max_new_tokens, r.finish_reason if kind is EventKind.FINISHED else None,
+            ttft_s=r.token_times[0] - t0 if kind is EventKind.FIRST_TOKEN else None,
+            e2e_s=r.finished_time - t0 if kind is EventKind.FINISHED else None))
+
+    def _record_step(self, plan, start: float) -> None:
+        events, reqs, sched = self.events, self._requests, self.scheduler
+        num_decode = self._last_step[1]
+        progress = []
+        for c in plan.chunks:
+            r = reqs.get(c.request_id)
+            if r is not None:
+                progress.append(RequestProgress(r.request_id, r.num_prompt_tokens, r.num_computed_tokens,
+                                                r.num_output_tokens))
+        now = time.perf_counter()
+        failed, self._step_failed = self._step_failed, False
+        events.append(StepRecord(
+            events.next_seq(), now, now - start, self.config.scheduler.budget_tokens,
+            plan.num_tokens - num_decode, num_decode, len(plan.chunks), sched.num_waiting, sched.num_running,
+            len(plan.preempted_ids), self.allocator.num_used_blocks,
+            self.allocator.num_free_blocks - self.allocator.num_cached_free_blocks,
+            self.allocator.num_cached_free_blocks,
+            failed, tuple(progress)))

@@ -29,6 +29,9 @@ class FinishReason(str, enum.Enum):
     TIMEOUT = "timeout"    # its deadline passed (ended by the serving layer)
     ERROR = "error"        # this request failed; others were unaffected
 
+    def __str__(self) -> str:  # prints as the README and the wire say: "stop", not "FinishReason.STOP"
+        return self.value
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"    # queued, holds no KV blocks (new, or preempted)

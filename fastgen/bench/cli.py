@@ -157,6 +157,9 @@ def run_parser() -> argparse.ArgumentParser:
     o.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     o.add_argument("--title", default="", help="added to the plots' titles")
     o.add_argument("--no-plots", dest="plots", action="store_false")
+    o.add_argument("--trace-file", default=None, metavar="PATH",
+                   help="in-process engine: keep its step records and request events as JSON lines "
+                        "(one file per scheduler: PATH.POLICY.jsonl with several); `fastgen trace PATH` draws them")
     return p
 
 
@@ -215,7 +218,8 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
                         max_seqs=cfg.scheduler.max_seqs, num_blocks=cfg.cache.num_blocks,
                         block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len)
         warm_up(engine)
-        target = EngineTarget(engine, salt_per_run=args.cache_salt)
+        target = EngineTarget(engine, salt_per_run=args.cache_salt,
+                              trace=_trace_writer(args.trace_file, policy, len(args.scheduler) * len(caching)))
         label = f"{policy} {args.label}" if args.label else policy
         done = []
         for load, limits in points:
@@ -223,6 +227,18 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
             print(describe_point(label, load, run, sla), flush=True)
             done.append(Point(load, run))
         yield Series(label, "engine", tuple(done))
+
+
+def _trace_writer(path: str | None, policy: str, num_policies: int):
+    if not path:
+        return None
+    from ..telemetry import TraceWriter
+
+    if num_policies > 1:
+        stem, dot, ext = path.rpartition(".")
+        name = policy.replace(" ", "-")
+        path = f"{stem}.{name}.{ext}" if dot and "/" not in ext else f"{path}.{name}.jsonl"
+    return TraceWriter(path)
 
 
 def http_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,

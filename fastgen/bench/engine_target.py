@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from ..engine import Engine
+from ..telemetry import TraceWriter
 from ..errors import InvalidRequestError
 from ..request import FinishReason, SamplingParams
 from .load import ClosedLoop, Load, RunLimits
@@ -53,7 +54,8 @@ class EngineTarget:
     """Runs load points against one engine. ``clock`` and ``sleep`` are injectable for tests."""
 
     def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep, salt_per_run: bool = True) -> None:
+                 sleep: Callable[[float], None] = time.sleep, salt_per_run: bool = True,
+                 trace: TraceWriter | None = None) -> None:
         self.engine = engine
         # each load point under its own cache salt: a point never hits the blocks of the points
         # before it (they send the same requests), only what its own requests share
@@ -61,6 +63,8 @@ class EngineTarget:
         self.clock = clock
         self.sleep = sleep
         self._num_runs = 0
+        self.trace = trace          # gets the engine's step records and request events (--trace-file)
+        self._seen_seq = engine.events.last_seq if trace is not None else 0
 
     def run(self, requests: Sequence[BenchRequest], load: Load, limits: RunLimits,
             desc: str = "") -> RunResult:
@@ -97,6 +101,11 @@ class EngineTarget:
                     continue
                 outputs = self.engine.step()
                 now = self.clock() - t0
+                if self.trace is not None:
+                    new = self.engine.events.since(self._seen_seq)
+                    if new:
+                        self._seen_seq = new[-1].seq
+                        self.trace.write(new)
                 for out in outputs:
                     rec = in_flight[out.request_id]
                     rec.token_times_s.extend(now for _ in out.new_token_ids)

@@ -17,14 +17,15 @@ from typing import AsyncIterator, Callable, Literal, TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..engine import Engine
 from ..errors import EngineDeadError, InvalidRequestError
 from ..pipeline import apply_chat_template
 from ..request import SamplingParams, TokenLogprob
 from .config import ServerConfig
-from .engine_loop import Delta, EngineLoop, Stream
+from .dashboard import Telemetry, dashboard_html
+from .engine_loop import Delta, EngineLoop, StepReport, Stream
 from .errors import APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
@@ -75,8 +76,13 @@ class Server:
         self.model_name = config.model_name()
         self.loop = EngineLoop(load, max_queue=config.max_queue)
         self.metrics = ServerMetrics(self.loop)
-        self.loop.on_step = self.metrics.on_step
+        self.telemetry = Telemetry({"model": self.model_name}, config.trace_file)
+        self.loop.on_step = self._on_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastgen-tokenize")
+
+    def _on_step(self, report: StepReport) -> None:
+        self.metrics.on_step(report)
+        self.telemetry.feed(report.records)
 
     # -- engine facts (immutable once loaded) ----------------------------------------------------
 
@@ -91,6 +97,24 @@ class Server:
         """Prompt + generated tokens one request can have: the context, or the KV pool if smaller."""
         cfg = self.engine.config
         return min(cfg.max_model_len, cfg.cache.num_blocks * cfg.cache.block_size)
+
+    def check_context(self, prompt_tokens: int, max_tokens: int, param: str) -> None:
+        """400 when the prompt plus an explicit ``max_tokens`` exceed the context (as OpenAI and
+        vLLM answer), rather than cutting the answer short silently."""
+        context = self.engine.config.max_model_len
+        if prompt_tokens + max_tokens > context:
+            raise APIError(400, f"this model's maximum context length is {context} tokens, but {prompt_tokens + max_tokens} "
+                                f"were requested ({prompt_tokens} in the prompt, {max_tokens} in {param}); "
+                                f"shorten the prompt or lower {param}", param=param, code="context_length_exceeded")
+
+    def with_model_defaults(self, req: M) -> M:
+        """``req`` with the model's own sampling defaults (generation_defaults.py) in the fields it
+        left out; the request's values always win."""
+        defaults = self.engine.generation_defaults
+        if defaults is None:
+            return req
+        missing = {k: v for k, v in defaults.as_dict().items() if getattr(req, k, 0) is None}
+        return req.model_copy(update=missing) if missing else req
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -185,7 +209,8 @@ class Server:
         tools = None
         if kind == "completion":
             prompt_ids = [await self.encode(p) for p in req.prompts()]
-            max_new = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+            requested = req.max_tokens
+            max_new = requested or COMPLETION_DEFAULT_MAX_TOKENS
             num_logprobs = req.logprobs
         else:
             names.update(prompt="messages", max_new_tokens="max_completion_tokens"
@@ -195,8 +220,12 @@ class Server:
                 constraint = {"json_schema": tools.json_schema()}
                 names["json_schema"] = "tools"
             prompt_ids = [await self.encode_chat([m.as_template_dict() for m in req.messages], tools)]
-            max_new = req.requested_max_tokens or max(1, self.max_total_tokens - len(prompt_ids[0]))
+            requested = req.requested_max_tokens
+            max_new = requested or max(1, self.max_total_tokens - len(prompt_ids[0]))
             num_logprobs = req.num_logprobs
+        if requested is not None:
+            self.check_context(max(len(ids) for ids in prompt_ids), requested, names["max_new_tokens"])
+        req = self.with_model_defaults(req)
         try:
             params = req.sampling_params(max_new, num_logprobs, constraint)
         except InvalidRequestError as e:
@@ -240,6 +269,12 @@ class Server:
                 if d.finish_reason == "error":
                     msg = d.response.error if d.response is not None else "the engine failed"
                     yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
+                    continue
+                if d.error is not None:  # cut by the server (shutdown): say so, then the stream still ends well
+                    yield sse(builder.chunk(d.index, d.text, d.finish_reason, first=d.index not in started,
+                                            include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
+                    started.add(d.index)
+                    yield sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
                     continue
                 if d.logprobs:
                     pending.setdefault(d.index, []).extend(d.logprobs)
@@ -330,6 +365,8 @@ class Server:
                         yield sse(APIError(500, "the engine failed", type="server_error").body())
                     else:
                         yield sse({"response": response_to_json(d.response)})
+                    if d.error is not None:
+                        yield sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
             yield SSE_DONE
         finally:
             stream.close()
@@ -372,9 +409,40 @@ class Server:
             card["max_model_len"] = self.engine.config.max_model_len
         return {"object": "list", "data": [card]}
 
+    async def drain(self, timeout_s: float) -> None:
+        """On SIGTERM, after the listening socket closed: let requests in flight finish for up to
+        ``timeout_s``, then cut what is left (each stream gets a final chunk, an error event and
+        ``[DONE]``), and wait for those answers to be written."""
+        n = self.loop.num_in_flight
+        if not n:
+            _say("shutting down: no requests in flight")
+            return
+        _say(f"shutting down: draining {n} request(s) in flight for up to {timeout_s:g} s")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.loop.num_in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.loop.num_in_flight
+        if not left:
+            _say(f"drained: all {n} request(s) finished")
+            return
+        _say(f"drain timeout ({timeout_s:g} s): cutting {left} request(s) still running "
+             f"({n - left} finished); they end with finish_reason 'abort' and an error event")
+        self.loop.cut(f"the server is shutting down: this request was cut after the {timeout_s:g} s drain timeout")
+        end = asyncio.get_running_loop().time() + 5.0
+        while self.loop.num_in_flight and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # let the final chunks reach the sockets
+
     def close(self) -> None:
         self.loop.stop()
+        self.telemetry.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _say(message: str) -> None:
+    import sys
+
+    print(f"fastgen: {message}", file=sys.stderr, flush=True)
 
 
 def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -> FastAPI:
@@ -396,6 +464,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -
 
     app = create_fastapi_app("fastgen", lifespan, config)
     app.state.server = server
+    app.state.drain = server.drain
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -414,5 +483,18 @@ def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(dashboard_html())
+
+    @app.get("/dashboard/feed")
+    async def dashboard_feed() -> StreamingResponse:
+        if server.loop.state == "ready":
+            cfg = server.engine.config
+            server.telemetry.info.update(budget_tokens=cfg.scheduler.budget_tokens, num_blocks=cfg.cache.num_blocks,
+                                         block_size=cfg.cache.block_size, max_seqs=cfg.scheduler.max_seqs)
+        return StreamingResponse(server.telemetry.subscribe(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     return app

@@ -150,6 +150,19 @@ class Balancer:
         if self._client is not None:
             await self._client.aclose()
 
+    async def drain(self, timeout_s: float) -> None:
+        """On SIGTERM: each local replica drains (and cuts, with final chunks) its own requests;
+        the relays here end as their upstream streams do."""
+        in_flight = sum(u.in_flight for u in self.upstreams)
+        log.warning("shutting down: %d request(s) in flight; replicas drain for up to %g s", in_flight, timeout_s)
+        for u in self.upstreams:
+            if u.process is not None and u.process.poll() is None:
+                u.process.terminate()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s + 8.0
+        while sum(u.in_flight for u in self.upstreams) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
     @property
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.state == "up"]
@@ -268,7 +281,7 @@ class Balancer:
             ok, status = False, f"{type(e).__name__}"
         if ok:
             if u.state != "up":
-                log.warning("upstream %s is up", u.url)
+                log.info("upstream %s is up", u.url)
             u.state = "up"
             u.num_failed_health = 0
             return
@@ -309,6 +322,47 @@ def create_balancer_app(config: ServerConfig, balancer: Balancer) -> FastAPI:
 
     app = create_fastapi_app("fastgen balancer", lifespan, config)
     app.state.balancer = balancer
+    app.state.drain = balancer.drain
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        from importlib import resources
+
+        page = resources.files("fastgen.server").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    @app.get("/dashboard/feed")
+    async def dashboard_feed(request: Request) -> Response:
+        """Replica ``?replica=I``'s feed, relayed, after a line that lists the replicas."""
+        try:
+            index = int(request.query_params.get("replica", "0"))
+            u = balancer.upstreams[index]
+        except (ValueError, IndexError):
+            raise APIError(400, f"replica must be an index in [0, {len(balancer.upstreams)})", param="replica") from None
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            resp = await balancer._client.send(balancer._client.build_request(
+                "GET", u.url + "/dashboard/feed", headers=headers), stream=True)
+        except httpx.TransportError as e:
+            raise APIError(502, f"replica {index} ({u.url}) is not answering: {type(e).__name__}",
+                           type="server_error", code="upstream_failed") from None
+
+        async def relay() -> AsyncIterator[bytes]:
+            yield sse({"kind": "replicas", "replica": index,
+                       "replicas": [{"url": x.url, "state": x.state} for x in balancer.upstreams]}).encode()
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.TransportError:
+                yield sse({"kind": "gone", "replica": index}).encode()
+            finally:
+                await resp.aclose()
+
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            return Response(content, status_code=resp.status_code, headers=_response_headers(resp))
+        return StreamingResponse(relay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health() -> JSONResponse:

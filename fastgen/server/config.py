@@ -28,6 +28,8 @@ class ServerConfig:
     replicas: engine processes behind a load balancer (1 = no balancer).
     upstreams: other ``fastgen serve`` URLs to balance over (no local engine then).
     engine_options: keywords for :class:`fastgen.config.EngineOptions`.
+    trace_file: write the engine's step records and request events there as JSON lines
+        (with replicas, replica ``i`` writes ``PATH.i``).
     """
 
     model: str | None = None
@@ -42,6 +44,7 @@ class ServerConfig:
     upstreams: tuple[str, ...] = ()
     engine_options: tuple[tuple[str, Any], ...] = ()
     log_level: str = "warning"
+    trace_file: str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -99,6 +102,8 @@ class ServerConfig:
             argv += ["--replicas", str(self.replicas)]
         if self.upstreams:
             argv += ["--upstream", *self.upstreams]
+        if self.trace_file:
+            argv += ["--trace-file", self.trace_file]
         for name, value in self.engine_options:
             flag = name.replace("_", "-")
             if isinstance(value, bool):  # BooleanOptionalAction flags take no value

@@ -21,12 +21,14 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import Engine, EngineStats, StepOutput
 from ..errors import EngineDeadError, FastgenError
 from ..request import FinishReason, Response, SamplingParams, TokenLogprob
+from ..telemetry import Record
 from .errors import QueueFullError
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class Delta:
     last carries ``finish_reason`` (a :class:`FinishReason` value) and the engine's
     :class:`Response` (``None`` only when the engine itself failed). ``logprobs`` are those of
     ``token_ids``, when the request asked for them. A quiet stream's deltas do not add up to
-    the whole answer: read it from the last delta's ``response``.
+    the whole answer: read it from the last delta's ``response``. ``error`` says why a final
+    delta ended the request when the server, not the engine, ended it (a shutdown cut).
     """
 
     index: int
@@ -49,6 +52,7 @@ class Delta:
     finish_reason: str | None = None
     response: Response | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None
 
 
 class Stream:
@@ -123,6 +127,13 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """End every live request now (``FinishReason.ABORT``), telling its stream ``why``."""
+
+    why: str
+
+
 @dataclass
 class _Live:
     """Engine-thread record of one admitted engine request."""
@@ -141,6 +152,7 @@ class StepReport:
     deltas: list[Delta]          # every choice's delivered deltas, quiet streams' included
     stepped: bool                # an engine step ran (aborts and deadlines also report)
     num_new_tokens: int          # tokens generated in the step, delivered or not
+    records: tuple[Record, ...] = ()  # the engine's step records and request events since the last report
 
 
 StepObserver = Callable[[StepReport], None]
@@ -171,6 +183,13 @@ class EngineLoop:
     _ids: itertools.count = field(default_factory=itertools.count)
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
+    _seen_seq: int = 0                    # engine thread: the last telemetry record handed over
+    _streams: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # event loop: submitted streams
+
+    @property
+    def num_in_flight(self) -> int:
+        """Submissions (event-loop side) with a choice that has not delivered its final delta."""
+        return sum(1 for s in list(self._streams) if not s.finished)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -189,6 +208,7 @@ class EngineLoop:
         base = next(self._ids)
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         stream = Stream(self, ids, quiet)
+        self._streams.add(stream)
         self.num_queued += len(ids)
         future = self._loop.create_future()
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
@@ -198,6 +218,10 @@ class EngineLoop:
 
     def abort(self, request_ids: list[str]) -> None:
         self._inbox.put(_Abort(list(request_ids)))
+
+    def cut(self, why: str) -> None:
+        """End every request in flight now; each stream gets a final delta with ``error=why``."""
+        self._inbox.put(_Cut(why))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort whatever is left and end the engine thread."""
@@ -220,13 +244,13 @@ class EngineLoop:
             cmd.future.set_result(None)
 
     def _deliver(self, stats: EngineStats | None, deltas: list[tuple[Stream, Delta]], stepped: bool,
-                 num_new_tokens: int) -> None:
+                 num_new_tokens: int, records: tuple[Record, ...] = ()) -> None:
         if stats is not None:
             self.stats = stats
         for stream, delta in deltas:
             stream._push(delta)
         if self.on_step is not None and stats is not None:
-            self.on_step(StepReport(stats, [d for _, d in deltas], stepped, num_new_tokens))
+            self.on_step(StepReport(stats, [d for _, d in deltas], stepped, num_new_tokens, records))
 
     def _call(self, fn: Callable, *args) -> None:
         try:
@@ -277,6 +301,8 @@ class EngineLoop:
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _Cut):
+                self._abort(list(self._live), error=cmd.why)
             else:
                 self._abort(cmd.request_ids)
             changed = True
@@ -312,13 +338,15 @@ class EngineLoop:
             self._live[rid] = _Live(cmd.stream, index, cmd.deadline)
         self._call(self._admitted, cmd, None)
 
-    def _abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
+    def _abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT,
+               error: str | None = None) -> None:
         for rid in request_ids:
             live = self._live.pop(rid, None)
             if live is None:  # finished already, or never admitted
                 continue
             self.engine.abort(rid, reason)
-            self._outbox.append((live.stream, Delta(live.index, "", (), reason.value, self.engine.response(rid))))
+            self._outbox.append((live.stream, Delta(live.index, "", (), reason.value, self.engine.response(rid),
+                                                    error=error)))
 
     def _expire_deadlines(self) -> bool:
         now = time.perf_counter()
@@ -346,4 +374,10 @@ class EngineLoop:
 
     def _flush(self, stats: EngineStats | None, stepped: bool = False, num_new_tokens: int = 0) -> None:
         deltas, self._outbox = self._outbox, []
-        self._call(self._deliver, stats, deltas, stepped, num_new_tokens)
+        records: tuple[Record, ...] = ()
+        events = getattr(self.engine, "events", None)   # an engine without records (a test's fake) has none
+        if events is not None:
+            records = events.since(self._seen_seq)
+            if records:
+                self._seen_seq = records[-1].seq
+        self._call(self._deliver, stats, deltas, stepped, num_new_tokens, records)

@@ -20,7 +20,7 @@ from .errors import APIError
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})  # the page holds no data; its feed is keyed
 
 
 
@@ -55,8 +55,9 @@ def request_tenant(request: Request) -> str | None:
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` names one of the keys (``/health`` and
-    ``/metrics`` stay open); the key's tenant goes into the request's state."""
+    """401 unless ``Authorization: Bearer <key>`` names one of the keys (``/health``, ``/metrics``
+    and the dashboard's page, which holds no data, stay open; its feed is keyed); the key's
+    tenant goes into the request's state."""
 
     def __init__(self, app, api_keys: tuple[str, ...]) -> None:
         self.app = app

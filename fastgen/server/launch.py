@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import logging
 import os
 import signal
 import socket
@@ -48,27 +50,69 @@ def spawn_server(config: ServerConfig, *, new_session: bool = False) -> subproce
                             preexec_fn=None if new_session else _die_with_parent)
 
 
-def replica_config(config: ServerConfig, port: int) -> ServerConfig:
-    """One replica of ``config``: loopback only, and its share of the cores unless told otherwise."""
+def replica_config(config: ServerConfig, port: int, index: int = 0) -> ServerConfig:
+    """Replica ``index`` of ``config``: loopback only, its share of the cores unless told
+    otherwise, and its own trace file (``PATH.index``)."""
     options = dict(config.engine_options)
     if options.get("num_threads") is None:
         options["num_threads"] = max(1, len(os.sched_getaffinity(0)) // config.replicas)
+    trace = f"{config.trace_file}.{index}" if config.trace_file else None
     return dataclasses.replace(config, host="127.0.0.1", port=port, replicas=1, upstreams=(),
-                               engine_options=tuple(options.items()))
+                               engine_options=tuple(options.items()), trace_file=trace)
 
 
 def _banner(message: str) -> None:
     print(f"fastgen: {message}", file=sys.stderr, flush=True)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything is loaded: a port in use fails here, at once.
+    Raises :class:`PortInUseError`."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PortInUseError(f"cannot listen on {host}:{port}: unknown host ({e})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is free
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = "the address is already in use (another server?); pick another --port" \
+            if e.errno == errno.EADDRINUSE else e.strerror
+        raise PortInUseError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class PortInUseError(OSError):
+    pass
+
+
 class _Server:
     """uvicorn's server, made lazily (uvicorn is imported only to serve)."""
 
     @staticmethod
-    def make(config):
+    def make(config, drain=None, drain_timeout_s: float = 30.0):
+        """``drain(timeout_s)``: the app's coroutine that finishes or cuts what is in flight once
+        the listening socket is closed, before uvicorn's own shutdown (which then has nothing left
+        to cancel, so no "timeout graceful shutdown exceeded" traceback)."""
         import uvicorn
 
         class Server(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                for server in self.servers:
+                    server.close()
+                for sock in sockets or []:
+                    sock.close()
+                if drain is not None and not self.force_exit:
+                    try:
+                        await drain(drain_timeout_s)
+                    except Exception:  # a drain that fails must not stop the shutdown
+                        logging.getLogger(__name__).exception("draining failed")
+                await super().shutdown(sockets=None)
+
             @contextlib.contextmanager
             def capture_signals(self):
                 # As uvicorn's, without re-raising the signal after shutdown: a server that
@@ -89,6 +133,11 @@ def run_server(config: ServerConfig) -> int:
     import uvicorn
 
     url = f"http://{config.host}:{config.port}"
+    try:
+        listener = bind_listener(config.host, config.port)
+    except PortInUseError as e:
+        _banner(f"error: {e}")
+        return 2
     if config.balanced:
         from .balancer import Balancer, Upstream, create_balancer_app
 
@@ -97,7 +146,7 @@ def run_server(config: ServerConfig) -> int:
         else:
             ports = [free_port() for _ in range(config.replicas)]
             upstreams = [Upstream(f"http://127.0.0.1:{p}", port=p) for p in ports]
-        balancer = Balancer(upstreams, lambda port: spawn_server(replica_config(config, port)),
+        balancer = Balancer(upstreams, lambda port: spawn_server(replica_config(config, port, ports.index(port))),
                             drain_timeout_s=config.drain_timeout_s)
         app = create_balancer_app(config, balancer)
         _banner(f"balancing over {len(upstreams)} upstream(s) at {url}: {', '.join(u.url for u in upstreams)}")
@@ -109,14 +158,19 @@ def run_server(config: ServerConfig) -> int:
         engine_loop = app.state.server.loop
         _banner(f"loading {app.state.server.model_name}; serving at {url} (/health is 503 until ready)")
 
+    # uvicorn's own graceful timeout only backs up the app's drain (which waits drain_timeout_s itself)
     server = _Server.make(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           timeout_graceful_shutdown=config.drain_timeout_s, access_log=False))
+                                         timeout_graceful_shutdown=10.0, access_log=False),
+                          drain=getattr(app.state, "drain", None), drain_timeout_s=config.drain_timeout_s)
     if engine_loop is not None:
         def watch_engine() -> None:
             announced = False
             while not server.should_exit:
                 if engine_loop.state == "ready" and not announced:
-                    _banner(f"ready at {url}")
+                    defaults = engine_loop.engine.generation_defaults
+                    if defaults is not None:
+                        _banner(f"sampling defaults for requests that give none: {defaults.describe()}")
+                    _banner(f"ready at {url} (dashboard: {url}/dashboard)")
                     announced = True
                 if engine_loop.state == "failed":
                     _banner(f"the engine failed: {engine_loop.error}; shutting down")
@@ -124,7 +178,10 @@ def run_server(config: ServerConfig) -> int:
                 time.sleep(0.1)
 
         threading.Thread(target=watch_engine, name="fastgen-engine-watch", daemon=True).start()
-    server.run()
+    try:
+        server.run(sockets=[listener])
+    finally:
+        listener.close()
     if engine_loop is not None and engine_loop.state == "failed":
         return 1
     return 0 if server.started else 1

@@ -92,3 +92,41 @@ def test_upstream_mode_balances_over_other_servers(balanced, model):
         assert r.usage.completion_tokens == 3
     finally:
         assert front.stop() == 0, front.log_tail()
+
+
+def test_the_balancer_serves_the_dashboard_and_relays_each_replicas_feed(balanced, model):
+    """The page through the balancer, and each replica's feed relayed after a line listing them."""
+    import threading
+    import time
+
+    assert wait_until(lambda: all_up(balanced), timeout_s=240), replicas(balanced)
+    page = httpx.get(balanced.url + "/dashboard")
+    assert page.status_code == 200 and "dashboard/feed" in page.text
+    assert httpx.get(balanced.url + "/dashboard/feed?replica=7").status_code == 400
+
+    def load() -> None:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+        threads = [threading.Thread(target=lambda: httpx.post(balanced.v1 + "/completions", json=body, timeout=120))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    for replica in (0, 1):
+        records = []
+        loader = threading.Thread(target=load)
+        deadline = time.monotonic() + 60
+        with httpx.stream("GET", f"{balanced.url}/dashboard/feed?replica={replica}", timeout=60) as r:
+            assert r.status_code == 200
+            for line in events(r):
+                records.append(json.loads(line[6:]))
+                if len(records) == 2:
+                    loader.start()
+                if any(x["kind"] == "step" for x in records[2:]) or time.monotonic() > deadline:
+                    break
+        loader.join(120)
+        assert records[0]["kind"] == "replicas" and records[0]["replica"] == replica
+        assert len(records[0]["replicas"]) == 2
+        assert records[1]["kind"] == "hello" and records[1]["num_blocks"] == 64
+        assert any(x["kind"] == "step" for x in records[2:]), f"replica {replica} streamed no step records"
