@@ -141,6 +141,16 @@ class BlockAllocator:
         self._hash_of[block_id] = block_hash
         return True
 
+    def drop_cached(self) -> int:
+        """Forget every cached-free block (they become plain free blocks); held blocks keep their
+        names. Returns how many were dropped (vLLM's ``reset_prefix_cache``)."""
+        n = len(self._cached_free)
+        while self._cached_free:
+            i, _ = self._cached_free.popitem(last=False)
+            del self._block_of[self._hash_of.pop(i)]
+            self._free.append(i)
+        return n
+
     def is_registered(self, block_id: int) -> bool:
         return block_id in self._hash_of
 

@@ -60,6 +60,7 @@ def test_engine_state_machine(engines):
                 main.abort(rid)
                 main.response(rid)
             assert not main.has_unfinished() and main.allocator.num_used_blocks == 0
+            main.allocator.drop_cached()     # each example starts from an empty prefix cache
             self.seen_seq = main.events.last_seq
             self.finished_events: dict[str, int] = {}
             self.live: dict[str, tuple[tuple[int, ...], int]] = {}
@@ -68,10 +69,12 @@ def test_engine_state_machine(engines):
             self.num = 0
 
         @precondition(lambda self: len(self.live) < 6)
-        @rule(prompt_len=st.integers(1, 18), max_new=st.integers(1, 10), seed=st.integers(0, 2**16))
-        def add(self, prompt_len: int, max_new: int, seed: int) -> None:
+        @rule(prompt_len=st.integers(1, 18), max_new=st.integers(1, 10), seed=st.integers(0, 2**16),
+              shared=st.integers(0, 12))
+        def add(self, prompt_len: int, max_new: int, seed: int, shared: int) -> None:
             rng = random.Random(seed)
-            prompt = tuple(rng.randrange(vocab) for _ in range(prompt_len))
+            # the first ``shared`` tokens are common to every request: prefix-cache hits and shared blocks
+            prompt = (tuple(range(1, shared + 1)) + tuple(rng.randrange(vocab) for _ in range(prompt_len)))[:18]
             rid = f"r{self.num}"
             self.num += 1
             self.engine.add_request(list(prompt), SamplingParams(max_new_tokens=max_new, do_sample=False,
@@ -114,11 +117,16 @@ def test_engine_state_machine(engines):
         @invariant()
         def blocks_are_owned_once_and_none_leak(self) -> None:
             e = self.engine
-            owned = [b for r in e._requests.values() if not r.is_finished for b in r.block_ids]
-            assert len(owned) == len(set(owned)), "a block is owned twice"
-            assert e.allocator.num_used_blocks == len(owned), "leaked (or unaccounted) blocks"
-            free = set(e.allocator._free)
-            assert not free & set(owned) and len(free) == e.allocator.num_free_blocks
+            holders: dict[int, int] = {}
+            for r in e._requests.values():
+                if not r.is_finished:
+                    assert len(set(r.block_ids)) == len(r.block_ids), "a block twice in one table"
+                    for b in r.block_ids:
+                        holders[b] = holders.get(b, 0) + 1
+            for b in range(e.allocator.num_blocks):   # shared prefix blocks have several holders
+                assert e.allocator.ref_count(b) == holders.get(b, 0), "leaked or unaccounted block"
+            assert e.allocator.num_used_blocks == len(holders)
+            e.allocator.check()                       # free and cached-free lists disjoint, none lost
             for r in e._requests.values():
                 if r.status is RequestStatus.WAITING:
                     assert not r.block_ids
@@ -139,3 +147,4 @@ def test_engine_state_machine(engines):
     EngineMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
                                                suppress_health_check=list(HealthCheck))
     EngineMachine.TestCase().runTest()
+    assert main.stats().prefix_hit_tokens > 0, "the examples never shared a cached prefix"

@@ -347,3 +347,14 @@ def test_random_shared_workloads_read_only_their_own_tokens(policy: str, seed: i
         assert sim.allocator.num_used_blocks == 0
         outputs[caching] = {f"r{i}": sim.reqs[f"r{i}"].output_token_ids for i, job in enumerate(jobs) if not job[3]}
     assert outputs[True] == outputs[False]
+
+
+def test_drop_cached_forgets_only_unheld_blocks() -> None:
+    a = BlockAllocator(4)
+    x, y = a.allocate(2)
+    a.register(x, b"x")
+    a.register(y, b"y")
+    a.free([x])
+    assert a.drop_cached() == 1
+    assert a.lookup([b"x"]) == [] and a.lookup([b"y"]) == [y] and a.num_free_blocks == 3
+    a.check()
