@@ -56,6 +56,37 @@ def event_stream(events: AsyncIterator[str], stream: Stream) -> StreamingRespons
 SSE_DONE = "data: [DONE]\n\n"
 
 
+class _StreamUsage:
+    """A stream's token counts for its final usage chunk: generated tokens of every choice, the
+    prompt (and its cached tokens) once per prompt (choice indices ``0, n, 2n...``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+
+    def add(self, d: Delta) -> None:
+        if d.response is None:
+            return
+        self.completion_tokens += d.response.generated_length
+        if d.index % self.n == 0:
+            self.prompt_tokens += d.response.prompt_length
+            self.cached_tokens += d.response.num_cached_tokens
+
+    def chunk(self, builder: ResponseBuilder) -> str:
+        return sse(builder.usage_chunk(self.prompt_tokens, self.completion_tokens, self.cached_tokens))
+
+
+def _failed_event(d: Delta) -> str:
+    """The error event of a choice the engine failed."""
+    msg = d.response.error if d.response is not None else "the engine failed"
+    return sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
+
+
+def _shutdown_event(d: Delta) -> str:
+    """The error event of a choice the server cut while shutting down."""
+    return sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
+
+
 class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None
@@ -258,23 +289,18 @@ class Server:
             return
         started: set[int] = set()
         pending: dict[int, list[TokenLogprob]] = {}  # per choice: logprobs of tokens not yet sent
-        prompt_tokens = completion_tokens = cached_tokens = 0
+        usage = _StreamUsage(n)
         try:
             async for d in stream:
-                if d.response is not None:
-                    completion_tokens += d.response.generated_length
-                    if d.index % n == 0:
-                        prompt_tokens += d.response.prompt_length
-                        cached_tokens += d.response.num_cached_tokens
+                usage.add(d)
                 if d.finish_reason == "error":
-                    msg = d.response.error if d.response is not None else "the engine failed"
-                    yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
+                    yield _failed_event(d)
                     continue
                 if d.error is not None:  # cut by the server (shutdown): say so, then the stream still ends well
                     yield sse(builder.chunk(d.index, d.text, d.finish_reason, first=d.index not in started,
                                             include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
                     started.add(d.index)
-                    yield sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
+                    yield _shutdown_event(d)
                     continue
                 if d.logprobs:
                     pending.setdefault(d.index, []).extend(d.logprobs)
@@ -284,7 +310,7 @@ class Server:
                                         include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
                 started.add(d.index)
             if include_usage:
-                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))
+                yield usage.chunk(builder)
             yield SSE_DONE
         finally:
             stream.close()
@@ -294,17 +320,12 @@ class Server:
         """A chat stream whose choices may call tools: each choice's text goes through its
         :class:`ToolCallStream`; a choice that called a tool finishes with ``tool_calls``."""
         choices: dict[int, ToolCallStream] = {}
-        prompt_tokens = completion_tokens = cached_tokens = 0
+        usage = _StreamUsage(n)
         try:
             async for d in stream:
-                if d.response is not None:
-                    completion_tokens += d.response.generated_length
-                    if d.index % n == 0:
-                        prompt_tokens += d.response.prompt_length
-                        cached_tokens += d.response.num_cached_tokens
+                usage.add(d)
                 if d.finish_reason == "error":
-                    msg = d.response.error if d.response is not None else "the engine failed"
-                    yield sse(APIError(500, f"generation failed: {msg}", type="server_error").body())
+                    yield _failed_event(d)
                     continue
                 first = d.index not in choices
                 calls = choices.setdefault(d.index, ToolCallStream(tools))
@@ -318,8 +339,10 @@ class Server:
                 if d.finish_reason is not None:
                     reason = "tool_calls" if calls.called and d.finish_reason == "stop" else d.finish_reason
                     yield sse(builder.chat_chunk(d.index, {}, reason, include_usage=include_usage))
+                if d.error is not None:  # cut by the server (shutdown), as in _sse
+                    yield _shutdown_event(d)
             if include_usage:
-                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens, cached_tokens))
+                yield usage.chunk(builder)
             yield SSE_DONE
         finally:
             stream.close()
@@ -366,7 +389,7 @@ class Server:
                     else:
                         yield sse({"response": response_to_json(d.response)})
                     if d.error is not None:
-                        yield sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
+                        yield _shutdown_event(d)
             yield SSE_DONE
         finally:
             stream.close()
