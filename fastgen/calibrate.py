@@ -35,6 +35,7 @@ import torch
 from .batch import SeqInput, build_batch
 from .cache import KVPool
 from .config import cache_dir, cpu_flags
+from .model.spec import local_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,13 @@ def choose_budget(curve: list[tuple[int, float]], target_itl_ms: float) -> tuple
 
 
 def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: int, block_size: int,
-              device: torch.device) -> str:
+              device: torch.device, tensor_parallel_size: int = 1) -> str:
     h = hashlib.sha256()
     h.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     st = os.stat(model_path) if os.path.isfile(model_path) else None
     h.update(f"{model_path}|{st.st_size if st else 0}|{st.st_mtime_ns if st else 0}|{dtype}|{kernels}|"
-             f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}".encode())
+             f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}".encode()
+             + (f"|tp{tensor_parallel_size}".encode() if tensor_parallel_size > 1 else b""))
     return h.hexdigest()[:16]
 
 
@@ -113,9 +115,10 @@ def measure_curve(model: torch.nn.Module, *, num_layers: int, num_kv_heads: int,
 
 
 def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: float, kernels: str,
-                     num_threads: int, max_tokens: int, **shape) -> BudgetChoice:
+                     num_threads: int, max_tokens: int, tensor_parallel_size: int = 1, **shape) -> BudgetChoice:
     """The budget for this host and model, measured once and cached (see module doc)."""
-    key = _host_key(model_path, shape["dtype"], kernels, num_threads, shape["block_size"], shape["device"])
+    key = _host_key(model_path, shape["dtype"], kernels, num_threads, shape["block_size"], shape["device"],
+                    tensor_parallel_size)
     path: Path = cache_dir() / "budget" / f"{key}.json"
     curve: list[tuple[int, float]] | None = None
     cached = False
@@ -148,6 +151,7 @@ def calibrate_engine_budget(model: torch.nn.Module, model_config, config, target
     return calibrate_budget(
         model, model_path=config.model_path, target_itl_ms=target_itl_ms, kernels=config.kernels,
         num_threads=config.num_threads, max_tokens=config.max_model_len, num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        tensor_parallel_size=config.tensor_parallel_size,
+        num_kv_heads=local_kv_heads(model, model_config), head_dim=model_config.head_dim,
         vocab_size=model_config.vocab_size, block_size=config.cache.block_size, dtype=config.dtype,
         device=config.device)

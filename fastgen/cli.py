@@ -33,6 +33,8 @@ _ENGINE_HELP = {
     "kernels": "auto | native (fastgen's CPU kernels) | torch",
     "quantization": "auto (a GGUF's weights as shipped) | none | int8 | int4",
     "int8_activations": "int8 activations in the int8 GEMMs (faster, less exact)",
+    "tensor_parallel_size": "ranks of one replica, each holding 1/N of the weights and KV cache (one process "
+                            "per rank, started by fastgen, or by torchrun across machines)",
 }
 
 

@@ -78,6 +78,7 @@ class EngineConfig:
     kernels: str = "torch"   # "native" (fastgen's CPU kernels) or "torch"
     quantization: str = "none"   # "auto" (a GGUF as shipped), "none", "int8", "int4"
     int8_activations: bool = False
+    tensor_parallel_size: int = 1   # ranks of this replica (fastgen.parallel); num_threads is per rank
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,10 +157,12 @@ class EngineOptions:
     quantization: str = "auto"
     int8_activations: bool = False
     prefix_caching: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         """Reject bad values when the options are built, before any model is loaded."""
-        for name in ("num_threads", "block_size", "num_blocks", "kv_cache_bytes", "max_seqs", "max_model_len"):
+        for name in ("num_threads", "block_size", "num_blocks", "kv_cache_bytes", "max_seqs", "max_model_len",
+                     "tensor_parallel_size"):
             _positive(name, getattr(self, name))
         if self.budget_tokens != "auto":
             _positive("budget_tokens", self.budget_tokens)
@@ -219,6 +222,7 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
         max_model_len=max_model_len, kernels=kernels,
         quantization=resolve_quantization(options.quantization, kernels),
         int8_activations=options.int8_activations,
+        tensor_parallel_size=options.tensor_parallel_size,
     )
 
 

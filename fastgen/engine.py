@@ -21,9 +21,10 @@ from .batch import SeqInput, build_batch
 from .cache import BlockAllocator, KVPool, root_hash
 from .calibrate import BudgetChoice, calibrate_engine_budget
 from .config import EngineConfig, EngineOptions, resolve_engine_config
-from .errors import InvalidRequestError, PromptTooLongError
+from .errors import InvalidRequestError, PromptTooLongError, RankFailedError
 from .generation_defaults import read_generation_defaults
 from .model.llama import ModelConfig
+from .model.spec import local_kv_heads
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
 from .sampling import SamplingRow, sample
@@ -71,7 +72,7 @@ class Engine:
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         cache = config.cache
         self.pool = KVPool(num_layers=model_config.num_layers, num_blocks=cache.num_blocks,
-                           block_size=cache.block_size, num_kv_heads=model_config.num_kv_heads,
+                           block_size=cache.block_size, num_kv_heads=local_kv_heads(model, model_config),
                            head_dim=model_config.head_dim, dtype=config.dtype, device=config.device)
         self.allocator = BlockAllocator(cache.num_blocks)
         self.scheduler = make_scheduler(config.scheduler, self.allocator, cache.block_size,
@@ -101,15 +102,26 @@ class Engine:
         config = resolve_engine_config(path, opts, kv_elems_per_token=model_config.kv_elems_per_token,
                                        model_max_len=model_config.max_position_embeddings)
         torch.set_num_threads(config.num_threads)
-        net = load_model(path, dtype=config.dtype, device=config.device,
-                         max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels,
-                         quantization=config.quantization, int8_activations=config.int8_activations)
-        budget = None
-        if opts.budget_tokens == "auto":
-            budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms)
-            config = dataclasses.replace(
-                config, scheduler=dataclasses.replace(config.scheduler, budget_tokens=budget.budget_tokens))
-        engine = cls(config, net, load_tokenizer(path), model_config)
+        if config.tensor_parallel_size > 1:
+            from .parallel.replica import start_replica
+
+            net, config = start_replica(path, config, hf_config)   # rank 0 of N; threads per rank
+        else:
+            net = load_model(path, dtype=config.dtype, device=config.device,
+                             max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels,
+                             quantization=config.quantization, int8_activations=config.int8_activations)
+        try:
+            budget = None
+            if opts.budget_tokens == "auto":
+                budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms)
+                config = dataclasses.replace(
+                    config, scheduler=dataclasses.replace(config.scheduler, budget_tokens=budget.budget_tokens))
+            engine = cls(config, net, load_tokenizer(path), model_config)
+        except BaseException:
+            close = getattr(net, "close", None)
+            if close is not None:
+                close()
+            raise
         engine.budget_choice = budget
         engine.generation_defaults = read_generation_defaults(path)
         return engine
@@ -189,6 +201,13 @@ class Engine:
         req = self._requests.get(request_id)
         if req is not None and not req.is_finished:
             self._finish(req, reason)
+
+    def close(self) -> None:
+        """Release what outlives the process's objects: a tensor-parallel replica's other ranks
+        (they exit). Idempotent; an engine without them has nothing to release."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._compiling)
@@ -282,6 +301,12 @@ class Engine:
                 if want_prompt_lp[i]:
                     self._record_prompt_logprobs(r, r.num_computed_tokens, rows[i])
             sampled = self._sample(samplers, rows, masks) if samplers else ([], [])
+        except RankFailedError as e:  # a tensor-parallel rank is gone: this replica cannot serve on
+            log.error("%s", e)
+            self._step_failed = True
+            for r in reqs:
+                self._finish(r, FinishReason.ERROR, str(e))
+            raise
         except Exception as e:  # a step-wide failure: fail this step's requests, keep serving
             log.exception("step failed")
             self._step_failed = True

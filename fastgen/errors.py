@@ -32,3 +32,7 @@ class ModelLoadError(FastgenError):
 
 class EngineDeadError(FastgenError):
     """The engine failed in a way that affects every request (e.g. the forward pass raised)."""
+
+
+class RankFailedError(EngineDeadError):
+    """A tensor-parallel rank died or stopped answering: the replica cannot go on and ends."""

@@ -24,6 +24,7 @@ import torch
 
 from .batch import SeqInput, build_batch
 from .cache import KVPool
+from .model.spec import local_kv_heads
 
 PROMPTS = (
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
@@ -57,7 +58,7 @@ def decode_perplexity(engine, token_ids: list[int], window: int = 256) -> float:
     model, mc, cfg = engine.model, engine.model_config, engine.config
     bs = cfg.cache.block_size
     pool = KVPool(num_layers=mc.num_layers, num_blocks=math.ceil(window / bs), block_size=bs,
-                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=cfg.dtype, device=cfg.device)
+                  num_kv_heads=local_kv_heads(model, mc), head_dim=mc.head_dim, dtype=cfg.dtype, device=cfg.device)
     blocks = list(range(pool.num_blocks))
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):

@@ -49,6 +49,7 @@ from ..calibrate import calibrate_engine_budget
 from ..config import DEFAULT_BUDGET_TOKENS, DEFAULT_TARGET_ITL_MS
 from ..engine import Engine
 from ..model.layers import Linear
+from ..model.spec import local_kv_heads
 from .kernels import bench_attention, decode_step_breakdown, host_isa, old_vs_new_decode, print_kernels
 from ..request import FinishReason, SamplingParams
 from ..sampling import SamplingRow, sample
@@ -360,7 +361,7 @@ def bench_pool(engine: Engine, num_blocks: int) -> KVPool:
     """A private KV pool shaped like the engine's, so direct forwards leave the engine alone."""
     mc = engine.model_config
     return KVPool(num_layers=mc.num_layers, num_blocks=num_blocks,
-                  block_size=engine.config.cache.block_size, num_kv_heads=mc.num_kv_heads,
+                  block_size=engine.config.cache.block_size, num_kv_heads=local_kv_heads(engine.model, mc),
                   head_dim=mc.head_dim, dtype=engine.config.dtype, device=engine.config.device)
 
 

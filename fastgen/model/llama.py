@@ -172,11 +172,6 @@ class DecoderLayer(nn.Module):
         return m
 
 
-def _slice_rows(rows: QuantRows, start: int, stop: int) -> QuantRows:
-    return QuantRows(rows.kind, rows.qweight[start:stop], rows.scales[start:stop],
-                     None if rows.mins is None else rows.mins[start:stop])
-
-
 # HF checkpoint name fragment -> (fused module attribute, part index)
 STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -299,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, ColumnLinear):
                 start = 0
                 for i, size in enumerate(module.output_sizes):
-                    module.quant_parts[i] = _slice_rows(rows, start, start + size)
+                    module.quant_parts[i] = rows.rows(start, start + size)
                     start += size
             else:
                 module.quant_parts[0] = rows

@@ -229,7 +229,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_positions: int,
                hf_config: Any | None = None, kernels: str = "torch", quantization: str = "none",
-               int8_activations: bool = False) -> torch.nn.Module:
+               int8_activations: bool = False, parallel=None) -> torch.nn.Module:
     """Instantiate the registered class for the config and fill it from the checkpoint.
 
     ``kernels``: "torch" or "native" (resolved by ``fastgen.config.resolve_kernels``).
@@ -238,16 +238,31 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
     quantize every linear weight (and the output head) per group of 32 at load, the dense
     copy then holding the dequantized values so that every path computes the same model;
     "none" dequantizes as before. ``int8_activations``: decode rows of quantized layers take
-    int8 activations (VNNI), see fastgen.model.quant.QuantGemvWeight."""
+    int8 activations (VNNI), see fastgen.model.quant.QuantGemvWeight.
+
+    ``parallel``: ``(group, shards)`` of a tensor-parallel replica (fastgen.parallel): the model
+    is this rank's shard, and every tensor is cut to its part as it is read."""
     hf_config = hf_config or load_hf_config(path)
     cfg = model_config(hf_config)
-    model = family(cfg.model_type).model_class(cfg, hf_config, max_positions)
+    shard = None
+    if parallel is not None:
+        from ..parallel.layers import check_shardable, use_vocab_parallel_embedding
+
+        group, shards = parallel
+        shard = shards[group.rank]
+        model = family(cfg.model_type).model_class(shard.local_config(cfg), hf_config, max_positions)
+        check_shardable(model, cfg.model_type)
+        use_vocab_parallel_embedding(model, shard, group)
+    else:
+        model = family(cfg.model_type).model_class(cfg, hf_config, max_positions)
     for p in model.parameters():  # the RoPE tables (buffers) stay fp32, as in the reference
         p.data = p.data.to(dtype)
-    quant: dict[str, QuantRows] = {}
+    quant: dict[str, QuantRows] = {} if shard is None else _ShardedQuant(shard, cfg)
     keep = quantization == "auto" and kernels == "native"
     weights = iter_gguf_tensors(path, cfg, quant if keep else None) if path.endswith(".gguf") \
         else iter_safetensors(path)
+    if shard is not None:
+        weights = ((name, shard.tensor(name, w, cfg)) for name, w in weights)
     model.load_weights((name, w.to(dtype)) for name, w in weights)
     model = model.to(device).eval()
     if quantization in ("int8", "int4"):
@@ -257,4 +272,19 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
     else:
         model.attach_quantized(quant)
     model.prepare(kernels, int8_activations)
+    if parallel is not None:
+        from ..parallel.layers import finish_formats
+
+        finish_formats(model, shards, group)
     return model
+
+
+class _ShardedQuant(dict):
+    """Quantized tensors as shipped, each cut to this rank's part as it is read."""
+
+    def __init__(self, shard, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.shard, self.cfg = shard, cfg
+
+    def __setitem__(self, name: str, rows: QuantRows) -> None:
+        super().__setitem__(name, self.shard.quant(name, rows, self.cfg))

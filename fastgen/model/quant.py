@@ -53,6 +53,21 @@ class QuantRows:
         q = torch.cat([b & 0xF, b >> 4], dim=-1).float()                # [rows, groups, 32]
         return (q * self.scales[..., None] + self.mins[..., None]).reshape(rows, -1)
 
+    def rows(self, start: int, stop: int) -> "QuantRows":
+        """Output rows ``start:stop`` (a fused layer's part, a tensor-parallel rank's share)."""
+        return QuantRows(self.kind, self.qweight[start:stop], self.scales[start:stop],
+                         None if self.mins is None else self.mins[start:stop])
+
+    def columns(self, start: int, stop: int) -> "QuantRows":
+        """Input features ``start:stop``, whole groups of 32 only (a row-parallel rank's share)."""
+        if start % GROUP or stop % GROUP:
+            raise ValueError(f"quantized columns split at {start}:{stop}, not at multiples of {GROUP}")
+        per = GROUP // 2 if self.kind == 4 else GROUP          # qweight bytes per group
+        g0, g1 = start // GROUP, stop // GROUP
+        return QuantRows(self.kind, self.qweight[:, g0 * per:g1 * per].contiguous(),
+                         self.scales[:, g0:g1].contiguous(),
+                         None if self.mins is None else self.mins[:, g0:g1].contiguous())
+
     @staticmethod
     def cat(parts: list["QuantRows"]) -> "QuantRows":
         kinds = {p.kind for p in parts}

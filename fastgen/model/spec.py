@@ -93,6 +93,13 @@ class Family:
     gguf: GgufNames | None = field(default=None)
 
 
+def local_kv_heads(model: Any, model_config: ModelConfig) -> int:
+    """KV heads of the pool ``model`` reads: its own config's (a tensor-parallel rank holds a
+    share of them), else the model's."""
+    local = getattr(model, "config", None)
+    return local.num_kv_heads if isinstance(local, ModelConfig) else model_config.num_kv_heads
+
+
 def eos_ids(hf: Any) -> tuple[int, ...]:
     eos = getattr(hf, "eos_token_id", None)
     return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
