@@ -153,6 +153,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from .server.config import ServerConfig
     from .server.launch import API_KEY_ENV, run_server
 
+    if _torchrun_rank() > 0:  # torchrun started this process as a non-zero tensor-parallel rank
+        from .config import resolve_device
+        from .parallel.replica import serve_rank
+
+        logging.basicConfig(level=logging.INFO, format=f"fastgen rank {os.environ['RANK']}: %(message)s")
+        return serve_rank(resolve_device(getattr(ns, "device", None)))
     config = ServerConfig(
         model=ns.model, host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
         api_keys=api_keys(ns.api_key, ns.api_key_file, os.environ.get(API_KEY_ENV)), max_queue=ns.max_queue,
@@ -160,6 +166,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         upstreams=tuple(ns.upstream or ()), engine_options=tuple(_split(ns, EngineOptions).items()),
         log_level=ns.log_level, trace_file=ns.trace_file)
     return run_server(config)
+
+
+def _torchrun_rank() -> int:
+    """This process's rank when a launcher (torchrun) set ``RANK``/``WORLD_SIZE``, else 0."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ["RANK"])
+    return 0
 
 
 def _add_serve_parser(sub) -> None:

@@ -17,6 +17,7 @@ for each other rank, on 127.0.0.1) or by ``torchrun`` (each rank runs ``fastgen 
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -34,7 +35,7 @@ from ..errors import RankFailedError
 
 log = logging.getLogger(__name__)
 
-OP_STOP, OP_FORWARD = 0, 1
+OP_STOP, OP_FORWARD, OP_MEMORY = 0, 1, 2
 HEADER = 6             # op, payload length, pool key, pool blocks, pool block size, pools released
 
 
@@ -83,6 +84,13 @@ class TPGroup:
     dead: tuple[int, int] | None = None
 
     def failed(self, e: BaseException) -> RankFailedError:
+        import time
+
+        deadline = time.monotonic() + 2.0   # a dead rank's exit code arrives just after its sockets close
+        while self.dead is None and self.workers and time.monotonic() < deadline:
+            self.dead = next(((r, p.returncode) for r, p in enumerate(self.workers, start=1)
+                              if p.poll() is not None), None)
+            time.sleep(0.05)
         who = (f"rank {self.dead[0]} exited with code {self.dead[1]}" if self.dead is not None
                else "a rank stopped answering")
         return RankFailedError(f"tensor parallelism failed ({who}): {e}; the replica must be restarted")
@@ -154,12 +162,25 @@ class TPGroup:
         header = torch.empty(HEADER, dtype=torch.long)
         dist.broadcast(header, 0, group=self.control)
         op, n, key, blocks, block_size, num_released = header.tolist()
-        if op == OP_STOP:
+        if op in (OP_STOP, OP_MEMORY):
             return op, None, (0, 0, 0), []
         payload = torch.empty(n, dtype=torch.long)
         dist.broadcast(payload, 0, group=self.control)
         released = payload[n - num_released:].tolist()
         return op, decode_batch(payload[:n - num_released], self.device), (key, blocks, block_size), released
+
+    def ask_memory(self, mine: dict) -> list[dict]:
+        """Rank 0: every rank's memory figures (rank 0's are ``mine``)."""
+        try:
+            dist.broadcast(torch.tensor([OP_MEMORY, 0, 0, 0, 0, 0], dtype=torch.long), 0, group=self.control)
+            out: list = [None] * self.size
+            dist.all_gather_object(out, mine, group=self.control)
+        except RuntimeError as e:
+            raise self.failed(e) from e
+        return out
+
+    def answer_memory(self, mine: dict) -> None:
+        dist.all_gather_object([None] * self.size, mine, group=self.control)
 
     def stop(self) -> None:
         """Rank 0: tell the others to exit, and wait for the processes it started."""
@@ -241,7 +262,9 @@ def start(size: int, device: torch.device) -> TPGroup:
         for p in workers:
             p.kill()
         raise
-    return TPGroup(0, size, device, workers)
+    group = TPGroup(0, size, device, workers)
+    atexit.register(group.stop)   # the other ranks exit with this process, whatever ends it
+    return group
 
 
 def from_env(device: torch.device) -> TPGroup:

@@ -21,7 +21,7 @@ from ..cache import KVPool
 from ..config import EngineConfig
 from ..errors import ModelLoadError, RankFailedError
 from . import group as groups
-from .group import OP_STOP, TPGroup
+from .group import OP_MEMORY, OP_STOP, TPGroup
 from .shard import Shard, shard_plan
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,32 @@ class TensorParallelModel(nn.Module):
 
     def close(self) -> None:
         self.group.stop()
+
+    def rank_memory(self, pools: list[KVPool]) -> list[dict]:
+        """Per rank: ``weight_bytes`` (what its model holds) and ``kv_bytes`` (its KV pools; rank 0's
+        are ``pools``)."""
+        return self.group.ask_memory({"weight_bytes": weight_bytes(self.local),
+                                      "kv_bytes": sum(p.num_bytes for p in pools)})
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights ``model`` holds: each linear layer's format (quantized rows, dense
+    and packed copies) and every other parameter (embedding, norms), each tensor once."""
+    from ..model.layers import Linear
+
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            total += m.resident_bytes
+            if m.format is not None and m.format.name != "dense":
+                continue            # its parameter is an empty placeholder or the shared embedding
+            seen.update(id(p) for p in m.parameters(recurse=False))
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
 
 
 def _load(path: str, config: EngineConfig, group: TPGroup, hf_config=None) -> tuple[nn.Module, list[Shard]]:
@@ -108,7 +134,14 @@ def start_replica(path: str, config: EngineConfig, hf_config) -> tuple[TensorPar
 
 def serve_rank(device: torch.device) -> int:
     """Ranks 1..N-1: join, load this rank's shard, and run rank 0's steps until it stops.
-    Returns the exit code (0: rank 0 said stop; 1: it went away or a step failed here)."""
+    Returns the exit code (0: rank 0 said stop; 1: it went away or a step failed here).
+
+    SIGINT and SIGTERM are ignored: rank 0 decides when the replica ends (it may drain its
+    requests first, which needs every rank), and these ranks exit when it does."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     group = groups.from_env(device)
     path, config = group.broadcast_object()
     torch.set_num_threads(config.num_threads)
@@ -136,6 +169,10 @@ def serve_rank(device: torch.device) -> int:
             return 1
         if op == OP_STOP:
             return 0
+        if op == OP_MEMORY:
+            group.answer_memory({"weight_bytes": weight_bytes(net),
+                                 "kv_bytes": sum(p.num_bytes for p in pools.values())})
+            continue
         for k in released:
             pools.pop(k, None)
         pool = pools.get(key)

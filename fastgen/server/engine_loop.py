@@ -276,6 +276,7 @@ class EngineLoop:
         try:
             while self._serve_once():
                 pass
+            self._close_engine()
         except Exception as e:
             log.exception("the engine loop failed; failing every request")
             self.error = e
@@ -284,12 +285,22 @@ class EngineLoop:
                 self._outbox.append((live.stream, Delta(live.index, "", (), FinishReason.ERROR.value, None)))
             self._live.clear()
             self._flush(None)
+            self._close_engine()
             while True:  # answer commands that are still coming so no caller waits forever
                 cmd = self._inbox.get()
                 if isinstance(cmd, _Stop):
                     return
                 if isinstance(cmd, _Add):
                     self._call(self._admitted, cmd, EngineDeadError(f"the engine failed: {e}"))
+
+    def _close_engine(self) -> None:
+        """Release what the engine holds beyond this process (a tensor-parallel replica's ranks)."""
+        close = getattr(self.engine, "close", None)
+        try:
+            if close is not None:
+                close()
+        except Exception:
+            log.exception("closing the engine failed")
 
     def _serve_once(self) -> bool:
         engine = self.engine
