@@ -32,10 +32,12 @@ import torch.distributed as dist
 
 from ..batch import RaggedBatch
 from ..errors import RankFailedError
+from .shm import ShmComm
+from .shm import supported as shm_supported
 
 log = logging.getLogger(__name__)
 
-OP_STOP, OP_FORWARD, OP_MEMORY = 0, 1, 2
+OP_STOP, OP_FORWARD, OP_MEMORY, OP_FORWARD_GLOO = 0, 1, 2, 3
 HEADER = 6             # op, payload length, pool key, pool blocks, pool block size, pools released
 
 
@@ -53,9 +55,11 @@ class TPGroup:
     worker processes it started."""
 
     def __init__(self, rank: int, size: int, device: torch.device,
-                 workers: list[subprocess.Popen] | None = None) -> None:
+                 workers: list[subprocess.Popen] | None = None, shm: str | None = None) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.workers = workers or []
+        # ranks on this machine (fastgen started them): collectives through shared memory (shm.py)
+        self.shm = ShmComm(shm, rank, size, _timeout_s(), create=False) if shm and device.type == "cpu" else None
         self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
         self.compute = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
                                       timeout=datetime.timedelta(seconds=_timeout_s()))
@@ -98,6 +102,11 @@ class TPGroup:
     # -- collectives inside the forward ------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(x):
+            try:
+                return self.shm.all_reduce(x)
+            except RuntimeError as e:
+                raise self.failed(e) from e
         try:
             dist.all_reduce(x, group=self.compute)
         except RuntimeError as e:
@@ -111,11 +120,17 @@ class TPGroup:
         if x.shape[1] < width:
             x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        try:
-            dist.gather(x, parts, dst=0, group=self.compute)
-        except RuntimeError as e:
-            raise self.failed(e) from e
+        if self.shm is not None and self.shm.fits(x):
+            try:
+                parts = self.shm.gather(x)
+            except RuntimeError as e:
+                raise self.failed(e) from e
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+            try:
+                dist.gather(x, parts, dst=0, group=self.compute)
+            except RuntimeError as e:
+                raise self.failed(e) from e
         if self.rank != 0:
             return x
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
@@ -150,6 +165,11 @@ class TPGroup:
         payload = torch.cat([encode_batch(batch), torch.tensor(released, dtype=torch.long)])
         header = torch.tensor([OP_FORWARD, payload.numel(), key, pool.num_blocks, pool.block_size,
                                len(released)], dtype=torch.long)
+        if self.shm is not None:
+            if self.shm.send(torch.cat([header, payload])):
+                return
+            header[0] = OP_FORWARD_GLOO   # too large for the shared control buffer: say so, send by gloo
+            self.shm.send(header)
         try:
             dist.broadcast(header, 0, group=self.control)
             dist.broadcast(payload, 0, group=self.control)
@@ -159,20 +179,26 @@ class TPGroup:
     def receive(self) -> tuple[int, RaggedBatch | None, tuple[int, int, int], list[int]]:
         """The other ranks: ``(op, batch, (pool key, blocks, block size), pools released)`` of
         rank 0's next step."""
-        header = torch.empty(HEADER, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.control)
+        if self.shm is not None:
+            msg = self.shm.receive()
+            header, payload = msg[:HEADER], msg[HEADER:]
+        else:
+            header = torch.empty(HEADER, dtype=torch.long)
+            dist.broadcast(header, 0, group=self.control)
         op, n, key, blocks, block_size, num_released = header.tolist()
         if op in (OP_STOP, OP_MEMORY):
             return op, None, (0, 0, 0), []
-        payload = torch.empty(n, dtype=torch.long)
-        dist.broadcast(payload, 0, group=self.control)
+        if self.shm is None or op == OP_FORWARD_GLOO:
+            payload = torch.empty(n, dtype=torch.long)
+            dist.broadcast(payload, 0, group=self.control)
+            op = OP_FORWARD
         released = payload[n - num_released:].tolist()
         return op, decode_batch(payload[:n - num_released], self.device), (key, blocks, block_size), released
 
     def ask_memory(self, mine: dict) -> list[dict]:
         """Rank 0: every rank's memory figures (rank 0's are ``mine``)."""
         try:
-            dist.broadcast(torch.tensor([OP_MEMORY, 0, 0, 0, 0, 0], dtype=torch.long), 0, group=self.control)
+            self._say(torch.tensor([OP_MEMORY, 0, 0, 0, 0, 0], dtype=torch.long))
             out: list = [None] * self.size
             dist.all_gather_object(out, mine, group=self.control)
         except RuntimeError as e:
@@ -182,6 +208,13 @@ class TPGroup:
     def answer_memory(self, mine: dict) -> None:
         dist.all_gather_object([None] * self.size, mine, group=self.control)
 
+    def _say(self, header: torch.Tensor) -> None:
+        """Rank 0: a header-only message (stop, memory)."""
+        if self.shm is not None:
+            self.shm.send(header)
+        else:
+            dist.broadcast(header, 0, group=self.control)
+
     def stop(self) -> None:
         """Rank 0: tell the others to exit, and wait for the processes it started."""
         if self.closed:
@@ -189,7 +222,7 @@ class TPGroup:
         self.closed = True
         try:
             if self.dead is None:
-                dist.broadcast(torch.zeros(HEADER, dtype=torch.long), 0, group=self.control)
+                self._say(torch.zeros(HEADER, dtype=torch.long))
         except RuntimeError:
             pass
         for p in self.workers:
@@ -201,6 +234,8 @@ class TPGroup:
             dist.destroy_process_group()
         except Exception:  # already gone with a dead peer
             pass
+        if self.shm is not None:
+            self.shm.unlink()
 
 
 # -- the batch on the wire: one int64 tensor ---------------------------------------------------------
@@ -250,8 +285,13 @@ def start(size: int, device: torch.device) -> TPGroup:
         raise RuntimeError("torch.distributed is already initialized in this process; one tensor-parallel "
                            "replica per process")
     port = _free_port()
+    shm = None
+    if device.type == "cpu" and shm_supported() and os.environ.get("FASTGEN_TP_SHM", "1") != "0":
+        shm = f"fastgen-tp-{os.getpid()}-{port}"
+        ShmComm(shm, 0, size, _timeout_s(), create=True)   # the file; each rank maps it
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size),
-               LOCAL_WORLD_SIZE=str(size), TQDM_DISABLE="1", FASTGEN_TP_DEVICE=device.type)
+               LOCAL_WORLD_SIZE=str(size), TQDM_DISABLE="1", FASTGEN_TP_DEVICE=device.type,
+               FASTGEN_TP_SHM_NAME=shm or "")
     workers = []
     for r in range(1, size):
         workers.append(subprocess.Popen([sys.executable, "-m", "fastgen.parallel.worker"],
@@ -261,8 +301,10 @@ def start(size: int, device: torch.device) -> TPGroup:
     except Exception:
         for p in workers:
             p.kill()
+        if shm:
+            os.unlink(f"/dev/shm/{shm}")
         raise
-    group = TPGroup(0, size, device, workers)
+    group = TPGroup(0, size, device, workers, shm)
     atexit.register(group.stop)   # the other ranks exit with this process, whatever ends it
     return group
 
@@ -275,7 +317,7 @@ def from_env(device: torch.device) -> TPGroup:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     _init(rank, size, device)
-    return TPGroup(rank, size, device)
+    return TPGroup(rank, size, device, shm=os.environ.get("FASTGEN_TP_SHM_NAME") or None)
 
 
 def threads_per_rank(num_threads: int, ranks_here: int) -> int:

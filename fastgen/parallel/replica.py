@@ -123,6 +123,8 @@ def start_replica(path: str, config: EngineConfig, hf_config) -> tuple[TensorPar
         except Exception as e:
             error, net = f"{type(e).__name__}: {e}", None
         statuses = group.gather_status(error)
+        if group.shm is not None:
+            group.shm.unlink()   # every rank has it mapped: nothing is left in /dev/shm, however we end
         failed = [(r, s) for r, s in enumerate(statuses) if s]
         if failed:
             raise ModelLoadError("tensor-parallel load failed: " + "; ".join(f"rank {r}: {s}" for r, s in failed))
@@ -164,7 +166,7 @@ def serve_rank(device: torch.device) -> int:
     while True:
         try:
             op, batch, (key, num_blocks, block_size), released = group.receive()
-        except RuntimeError as e:
+        except (RuntimeError, RankFailedError) as e:
             log.error("rank %d: rank 0 went away (%s); exiting", group.rank, e)
             return 1
         if op == OP_STOP:

@@ -69,8 +69,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_two_ranks_equal_one_token_for_token(tmp_path_factory, name):
+@pytest.mark.parametrize("name", [*CONFIGS, "gqa-even-over-gloo"])
+def test_two_ranks_equal_one_token_for_token(tmp_path_factory, monkeypatch, name):
+    if name.endswith("-over-gloo"):   # collectives through gloo instead of shared memory
+        monkeypatch.setenv("FASTGEN_TP_SHM", "0")
+        name = name.removesuffix("-over-gloo")
     model_type, overrides = CONFIGS[name]
     folder = tiny_folder(tmp_path_factory, name, model_type, **overrides)
     one = Engine.from_pretrained(folder, **OPTS)
@@ -80,6 +83,7 @@ def test_two_ranks_equal_one_token_for_token(tmp_path_factory, name):
         assert_same(expected, greedy(two))
         # the pool of each rank holds its own KV heads: rank 0's here
         assert two.pool.keys[0].shape[2] == two.model.shards[0].num_kv_heads
+        assert (two.model.group.shm is None) == (os.environ.get("FASTGEN_TP_SHM") == "0")
     finally:
         two.close()
 
