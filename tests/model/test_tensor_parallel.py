@@ -66,6 +66,9 @@ CONFIGS = {
                                  intermediate_size=100)),                    # 3+2 heads, 50+50 features
     "qwen2-bias-untied": ("qwen2", dict(tie_word_embeddings=False)),         # q/k/v biases, own lm_head
     "qwen3-qk-norm": ("qwen3", dict(head_dim=16)),                           # per-head norms
+    "phi3-fused": ("phi3", dict(pad_token_id=0)),                            # qkv/gate_up shipped fused
+    "gemma3": ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"])),
 }
 
 
