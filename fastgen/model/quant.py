@@ -131,6 +131,10 @@ class QuantGemvWeight:
     one row: 3.0 ms with fp32 activations, 2.6 ms with int8 activations (VNNI), against 4.8 ms
     for the bf16 GEMV and 6.5 ms for oneDNN-packed bf16; four rows: 7.2 ms against 5.1 ms for
     the bf16 GEMV (the 4-bit unpacking is then the limit), hence ``MAX_QGEMV_ROWS = 2``.
+    In bf16, 4-bit rows multiply through ``vdpbf16ps`` where the CPU has AVX512-BF16 (the
+    nibbles turned into their exact bf16 values by a table lookup): the same 120 products, one
+    row, A/B in alternating processes, 3.38-3.49 ms against 4.17-4.28 ms with fp32 products
+    (machine loaded by other work; ``FASTGEN_QGEMV_BF16=0`` selects the fp32 products).
     """
 
     name = "quantized+dense"
