@@ -132,9 +132,12 @@ class QuantGemvWeight:
     for the bf16 GEMV and 6.5 ms for oneDNN-packed bf16; four rows: 7.2 ms against 5.1 ms for
     the bf16 GEMV (the 4-bit unpacking is then the limit), hence ``MAX_QGEMV_ROWS = 2``.
     In bf16, 4-bit rows multiply through ``vdpbf16ps`` where the CPU has AVX512-BF16 (the
-    nibbles turned into their exact bf16 values by a table lookup): the same 120 products, one
-    row, A/B in alternating processes, 3.38-3.49 ms against 4.17-4.28 ms with fp32 products
-    (machine loaded by other work; ``FASTGEN_QGEMV_BF16=0`` selects the fp32 products).
+    nibbles turned into their exact bf16 values by a table lookup, four groups per 64-byte load
+    unpacked within 16-bit lanes): the same 120 products, one row, A/B in alternating processes,
+    3.38-3.49 ms against 4.17-4.28 ms with fp32 products for the first version (pairs of groups
+    widened across lanes); the four-group unpacking then took a 4096x1536 product from 164-172
+    to 138-154 us on one thread (machine loaded by other work in both; ``FASTGEN_QGEMV_BF16=0``
+    selects the fp32 products).
     """
 
     name = "quantized+dense"

@@ -35,7 +35,7 @@ def test_gguf_blocks_as_shipped_equal_gguf_dequantization(smollm2_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
-@pytest.mark.parametrize("k", [96, 576])       # 96: an odd number of groups (the tail path)
+@pytest.mark.parametrize("k", [96, 128, 576, 1536])  # 96: odd groups (tail path); 128, 1536: whole quads; 576: quads + a pair
 def test_quantized_gemv_matches_its_dequantized_weights(dtype, bits, rows, k):
     g = torch.Generator().manual_seed(bits * 10 + rows)
     w = torch.randn(70, k, generator=g)

@@ -1023,6 +1023,52 @@ inline void qrow4_bf16(const uint8_t* wr, const float* sc, const uint16_t* const
   }
   for (int r = 0; r < RN; ++r) totals[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
 }
+// variant: four groups (64 bytes) per step, unpacked within 16-bit lanes (no cross-lane
+// widening): word j holds bytes 2j and 2j+1, whose four nibbles are weights (g, 2i), (g, 2i+16),
+// (g, 2i+1), (g, 2i+17) of group g = j / 8, i = j % 8; x laid out to match (bf16_x_quads)
+template <int RN>
+inline void qrow4_bf16_quads(const uint8_t* wr, const float* sc, const uint16_t* const* xp, int64_t quads,
+                             float* totals) {
+  __m512 acc[RN], acc2[RN];
+  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps(), acc2[r] = _mm512_setzero_ps();
+  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                         0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int64_t q = 0; q < quads; ++q) {
+    const __m512i b = _mm512_loadu_si512(wr + q * 64);
+    // vpermw reads the low 5 bits of each index: mask to 4 where higher nibbles would leak in
+    const __m512i m4 = _mm512_set1_epi16(0x0F);
+    const __m512bh wa = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, m4), table);
+    const __m512bh wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), table);
+    const __m512bh wc = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 8), m4), table);
+    const __m512bh wd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), table);
+    const __m512 scale = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * q)));
+    for (int r = 0; r < RN; ++r) {
+      const uint16_t* xv = xp[r] + q * 128;
+      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, (__m512bh)_mm512_loadu_si512(xv));
+      __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, (__m512bh)_mm512_loadu_si512(xv + 32));
+      d = _mm512_dpbf16_ps(d, wc, (__m512bh)_mm512_loadu_si512(xv + 64));
+      e = _mm512_dpbf16_ps(e, wd, (__m512bh)_mm512_loadu_si512(xv + 96));
+      acc[r] = _mm512_fmadd_ps(d, scale, acc[r]);
+      acc2[r] = _mm512_fmadd_ps(e, scale, acc2[r]);
+    }
+  }
+  for (int r = 0; r < RN; ++r) totals[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
+}
+
+// x for qrow4_bf16_quads: per four groups, [A, B, C, D] of 32 each, A[j] = x(g, 2i) etc.
+inline void bf16_x_quads(const at::BFloat16* xr, int64_t k, uint16_t* xp) {
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xr);
+  for (int64_t q = 0; q < k / 128; ++q)
+    for (int64_t j = 0; j < 32; ++j) {
+      const int64_t g = 4 * q + j / 8, i = j % 8, base = g * 32;
+      xp[q * 128 + j] = xs[base + 2 * i];
+      xp[q * 128 + 32 + j] = xs[base + 2 * i + 16];
+      xp[q * 128 + 64 + j] = xs[base + 2 * i + 1];
+      xp[q * 128 + 96 + j] = xs[base + 2 * i + 17];
+    }
+}
 constexpr bool kHaveBf16Dot = true;
 #else
 constexpr bool kHaveBf16Dot = false;
@@ -1051,7 +1097,11 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
   std::vector<uint16_t> xp(bf16_dot ? m * k : 0);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same<T, at::BFloat16>::value) {
-    for (int64_t r = 0; bf16_dot && r < m; ++r) bf16_x_pairs(x + r * k, k, xp.data() + r * k);
+    for (int64_t r = 0; bf16_dot && r < m; ++r) {
+      const int64_t head = (k / 128) * 128;   // whole quads of groups; a last pair after them
+      bf16_x_quads(x + r * k, head, xp.data() + r * k);
+      if (head < k) bf16_x_pairs(x + r * k + head, k - head, xp.data() + r * k + head);
+    }
   }
 #endif
   std::vector<int8_t> xq(vnni ? m * (k + 64) : 0);
@@ -1075,11 +1125,24 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
         if (bf16_dot) {
           const uint16_t* xps[4];
           for (int64_t r = 0; r < rn; ++r) xps[r] = xp.data() + (r0 + r) * k;
+          const int64_t quads = groups / 4;
           switch (rn) {
-            case 1: qrow4_bf16<1>(wr, sc, xps, groups / 2, totals); break;
-            case 2: qrow4_bf16<2>(wr, sc, xps, groups / 2, totals); break;
-            case 3: qrow4_bf16<3>(wr, sc, xps, groups / 2, totals); break;
-            default: qrow4_bf16<4>(wr, sc, xps, groups / 2, totals); break;
+            case 1: qrow4_bf16_quads<1>(wr, sc, xps, quads, totals); break;
+            case 2: qrow4_bf16_quads<2>(wr, sc, xps, quads, totals); break;
+            case 3: qrow4_bf16_quads<3>(wr, sc, xps, quads, totals); break;
+            default: qrow4_bf16_quads<4>(wr, sc, xps, quads, totals); break;
+          }
+          if (groups % 4) {   // the last pair of groups, in pair layout
+            const uint16_t* tail[4];
+            float more[4] = {};
+            for (int64_t r = 0; r < rn; ++r) tail[r] = xps[r] + quads * 128;
+            switch (rn) {
+              case 1: qrow4_bf16<1>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
+              case 2: qrow4_bf16<2>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
+              case 3: qrow4_bf16<3>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
+              default: qrow4_bf16<4>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
+            }
+            for (int64_t r = 0; r < rn; ++r) totals[r] += more[r];
           }
         } else
 #endif
