@@ -28,9 +28,10 @@ from .dashboard import Telemetry, dashboard_html
 from .engine_loop import Delta, EngineLoop, StepReport, Stream
 from .errors import APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
-                       CompletionRequest, GenerateRequest, ResponseBuilder, _Model, model_not_found)
+from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, CompletionRequest,
+                       GenerateRequest, ResponseBuilder, model_not_found)
 from .http import create_fastapi_app, race_disconnect, request_tenant, sse
+from .openapi import DetokenizeRequest, TokenizeRequest, route_doc
 from .tools import ToolCallStream, ToolPlan, with_tools
 from .wire import response_to_json
 
@@ -85,18 +86,6 @@ def _failed_event(d: Delta) -> str:
 def _shutdown_event(d: Delta) -> str:
     """The error event of a choice the server cut while shutting down."""
     return sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
-
-
-class TokenizeRequest(_Model):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(_Model):
-    model: str | None = None
-    tokens: list[int]
 
 
 class Server:
@@ -489,29 +478,29 @@ def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -
     app.state.server = server
     app.state.drain = server.drain
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_doc("/v1/completions"))
     async def completions(request: Request) -> Response:
         return await server.openai(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_doc("/v1/chat/completions"))
     async def chat_completions(request: Request) -> Response:
         return await server.openai(request, "chat")
 
-    app.add_api_route("/generate", server.generate, methods=["POST"])
-    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
-    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/generate", server.generate, methods=["POST"], **route_doc("/generate"))
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], **route_doc("/tokenize"))
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"], **route_doc("/detokenize"))
+    app.add_api_route("/v1/models", server.models, methods=["GET"], **route_doc("/v1/models"))
+    app.add_api_route("/health", server.health, methods=["GET"], **route_doc("/health"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", **route_doc("/metrics"))
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", include_in_schema=False)  # a page and its feed, not API
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(dashboard_html())
 
-    @app.get("/dashboard/feed")
+    @app.get("/dashboard/feed", include_in_schema=False)
     async def dashboard_feed() -> StreamingResponse:
         if server.loop.state == "ready":
             cfg = server.engine.config

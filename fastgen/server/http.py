@@ -17,11 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServerConfig
 from .errors import APIError
+from .openapi import DOCS_PATHS, install_docs
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})  # the page holds no data; its feed is keyed
-
+# the dashboard page, the schema and /docs hold no data (the dashboard's feed is keyed)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", *DOCS_PATHS})
 
 
 async def race_disconnect(request: Request, work):
@@ -55,8 +56,8 @@ def request_tenant(request: Request) -> str | None:
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` names one of the keys (``/health``, ``/metrics``
-    and the dashboard's page, which holds no data, stay open; its feed is keyed); the key's
+    """401 unless ``Authorization: Bearer <key>`` names one of the keys (``OPEN_PATHS`` stay
+    open: ``/health``, ``/metrics``, the dashboard's page, the schema and ``/docs``); the key's
     tenant goes into the request's state."""
 
     def __init__(self, app, api_keys: tuple[str, ...]) -> None:
@@ -102,9 +103,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_fastapi_app(title: str, lifespan, config: ServerConfig) -> FastAPI:
-    """A FastAPI app with OpenAI-style error bodies and, when configured, the API key check."""
-    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    """A FastAPI app with OpenAI-style error bodies, the published schema (openapi.py) and,
+    when configured, the API key check."""
+    from .. import __version__
+
+    app = FastAPI(title=title, version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # openapi.py serves the schema and an offline /docs
     install_error_handlers(app)
+    install_docs(app, OPEN_PATHS, keyed=bool(config.api_keys))
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     return app
