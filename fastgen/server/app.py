@@ -12,7 +12,7 @@ import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import AsyncIterator, Callable, Literal, TypeVar
 
 import pydantic
@@ -166,12 +166,34 @@ class Server:
         except Exception as e:  # a template that rejects these messages (e.g. the roles' order)
             raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
 
-    async def encode(self, prompt: str | list[int]) -> list[int]:
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits in the context, whatever it says: no token spells more
+        characters than the vocabulary's longest entry (x4 where the tokenizer normalizes first,
+        as composing can fold three characters into one)."""
+        backend = self.engine.tokenizer.backend_tokenizer
+        longest = max(map(len, backend.get_vocab(with_added_tokens=True)))
+        return self.engine.config.max_model_len * longest * (1 if backend.normalizer is None else 4)
+
+    def check_prompt_size(self, num_chars: int, param: str, num_messages: int = 0) -> None:
+        """A quick 400 for a prompt that cannot fit, before the one tokenizer thread spends seconds
+        on it while every other request waits (a 10 MB prompt took 28 s). A chat of more messages
+        than the context has tokens cannot fit either: a template writes at least one per message."""
+        context = self.engine.config.max_model_len
+        if num_chars > self.max_prompt_chars or num_messages > context:
+            what = f"{num_messages} messages" if num_messages > context else f"{num_chars} characters"
+            raise APIError(400, f"{param}: {what} cannot fit in this model's maximum context length of {context} "
+                                f"tokens; shorten the prompt", param=param, code="context_length_exceeded")
+
+    async def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
+            self.check_prompt_size(len(prompt), param)
             return await self._off_thread(self._encode, prompt)
         return list(prompt)
 
-    async def encode_chat(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: ToolPlan | None = None,
+                          param: str = "messages") -> list[int]:
+        self.check_prompt_size(_num_chars(messages), param, len(messages))
         return await self._off_thread(lambda: self._encode(self._template(messages, tools)))
 
     async def check_constraint(self, params: SamplingParams, param_names: dict[str, str]) -> None:
@@ -352,8 +374,8 @@ class Server:
         except (InvalidRequestError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
         await self.check_constraint(params, {})
-        prompt_ids = [await (self.encode_chat(p) if p and isinstance(p[0], dict) else self.encode(p))
-                      for p in req.prompt_list()]
+        prompt_ids = [await (self.encode_chat(p, param="prompts") if p and isinstance(p[0], dict)
+                             else self.encode(p, "prompts")) for p in req.prompt_list()]
         stream = await self.submit(request, prompt_ids, [params] * len(prompt_ids), req.request_timeout_s,
                                    {"prompt": "prompts"}, req.stream, req.cache_salt)
         if req.stream:
@@ -391,9 +413,12 @@ class Server:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = await self._off_thread(self._template, [m.as_template_dict() for m in req.messages])
+            messages = [m.as_template_dict() for m in req.messages]
+            self.check_prompt_size(_num_chars(messages), "messages", len(messages))
+            text = await self._off_thread(self._template, messages)
         else:
             text = req.prompt
+            self.check_prompt_size(len(text), "prompt")
         ids = await self._off_thread(self._encode, text, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.config.max_model_len}
 
@@ -449,6 +474,10 @@ class Server:
         self.loop.stop()
         self.telemetry.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _num_chars(messages: list[dict]) -> int:
+    return sum(len(m.get("content") or "") for m in messages)
 
 
 def _say(message: str) -> None:

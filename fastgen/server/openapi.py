@@ -297,32 +297,39 @@ def _errors(*statuses: int) -> dict[int, dict[str, Any]]:
     return {s: _json(ErrorResponse.__name__, words[s]) for s in statuses}
 
 
-def _generation(response: str, summary: str, request: str, events: str) -> dict[str, Any]:
-    ok = _json(response, "the whole answer (`stream` false)")
-    ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": events}}
+def _events(*names: str) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 reads an event stream's schema as each event's): its
+    ``data`` is ``[DONE]`` or JSON text, one of ``names`` or an ErrorResponse."""
+    payload = {"anyOf": [_ref(n) for n in (*names, ErrorResponse.__name__)]}
+    return {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"}, "data": {"anyOf": [
+            {"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
+
+
+def _generation(summary: str, request: str, response: str, events: tuple[str, ...], streamed: str) -> dict[str, Any]:
+    ok = _json(response, f"the whole answer (`stream` false); `stream: true`: {streamed}; a choice the engine "
+                         "failed, or the server cut, gets an ErrorResponse event; the stream always ends with `[DONE]`")
+    ok["content"]["text/event-stream"] = {"schema": _events(*events)}
     return {"summary": summary,
-            "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}}},
-            "responses": {200: ok, **_errors(400, 401, 404, 429, 500, 503)}}
+            "openapi_extra": _body(request), "responses": {200: ok, **_errors(400, 401, 404, 429, 500, 503)}}
 
 
-_SSE = ("`stream: true`: server-sent events, each `data: <{chunk}>`; a choice the engine failed or the server cut "
-        "gets a `data: <ErrorResponse>` event; the stream always ends with `data: [DONE]`.")
+def _body(request: str) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}}}
+
 
 ROUTES: dict[str, dict[str, Any]] = {
-    "/v1/completions": _generation(CompletionResponse.__name__, "OpenAI completions",
-                                   CompletionRequest.__name__, _SSE.format(chunk="CompletionChunk")),
-    "/v1/chat/completions": _generation(ChatCompletionResponse.__name__, "OpenAI chat completions", ChatCompletionRequest.__name__,
-                                        _SSE.format(chunk="ChatCompletionChunk")),
-    "/generate": _generation(GenerateResponse.__name__, "fastgen's native generate (the Python client's)",
-                             GenerateRequest.__name__, "`stream: true` (one prompt): `data: <GenerateTextEvent>` per "
-                             "piece of text, then `data: <GenerateFinalEvent>`, then `data: [DONE]`"),
-    "/tokenize": {"summary": "prompt or chat messages to token ids",
-                  "openapi_extra": {"requestBody": {"required": True, "content": {
-                      "application/json": {"schema": _ref(TokenizeRequest.__name__)}}}},
+    "/v1/completions": _generation("OpenAI completions", CompletionRequest.__name__, CompletionResponse.__name__,
+                                   (CompletionChunk.__name__,), "server-sent events of CompletionChunk"),
+    "/v1/chat/completions": _generation("OpenAI chat completions", ChatCompletionRequest.__name__,
+                                        ChatCompletionResponse.__name__, (ChatCompletionChunk.__name__,),
+                                        "server-sent events of ChatCompletionChunk"),
+    "/generate": _generation("fastgen's native generate (the Python client's)", GenerateRequest.__name__,
+                             GenerateResponse.__name__, (GenerateTextEvent.__name__, GenerateFinalEvent.__name__),
+                             "(one prompt) a GenerateTextEvent per piece of text, then a GenerateFinalEvent"),
+    "/tokenize": {"summary": "prompt or chat messages to token ids", "openapi_extra": _body(TokenizeRequest.__name__),
                   "responses": {200: _json(TokenizeResponse.__name__, "the token ids"), **_errors(400, 401, 404, 503)}},
-    "/detokenize": {"summary": "token ids to text",
-                    "openapi_extra": {"requestBody": {"required": True, "content": {
-                        "application/json": {"schema": _ref(DetokenizeRequest.__name__)}}}},
+    "/detokenize": {"summary": "token ids to text", "openapi_extra": _body(DetokenizeRequest.__name__),
                     "responses": {200: _json(DetokenizeResponse.__name__, "the text"), **_errors(400, 401, 404, 503)}},
     "/v1/models": {"summary": "the served model",
                    "responses": {200: _json(ModelList.__name__, "one model card"), **_errors(401)}},
