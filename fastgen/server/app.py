@@ -26,7 +26,8 @@ from ..request import SamplingParams, TokenLogprob
 from .config import ServerConfig
 from .dashboard import Telemetry, dashboard_html
 from .engine_loop import Delta, EngineLoop, StepReport, Stream
-from .errors import APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error
+from .errors import (APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error,
+                     renamed)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, CompletionRequest,
                        GenerateRequest, ResponseBuilder, model_not_found)
@@ -185,15 +186,14 @@ class Server:
             raise APIError(400, f"{param}: {what} cannot fit in this model's maximum context length of {context} "
                                 f"tokens; shorten the prompt", param=param, code="context_length_exceeded")
 
-    async def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            self.check_prompt_size(len(prompt), param)
+            self.check_prompt_size(len(prompt), "prompt")
             return await self._off_thread(self._encode, prompt)
         return list(prompt)
 
-    async def encode_chat(self, messages: list[dict], tools: ToolPlan | None = None,
-                          param: str = "messages") -> list[int]:
-        self.check_prompt_size(_num_chars(messages), param, len(messages))
+    async def encode_chat(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+        self.check_prompt_size(_num_chars(messages), "messages", len(messages))
         return await self._off_thread(lambda: self._encode(self._template(messages, tools)))
 
     async def check_constraint(self, params: SamplingParams, param_names: dict[str, str]) -> None:
@@ -374,8 +374,11 @@ class Server:
         except (InvalidRequestError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
         await self.check_constraint(params, {})
-        prompt_ids = [await (self.encode_chat(p, param="prompts") if p and isinstance(p[0], dict)
-                             else self.encode(p, "prompts")) for p in req.prompt_list()]
+        try:
+            prompt_ids = [await (self.encode_chat(p) if p and isinstance(p[0], dict) else self.encode(p))
+                          for p in req.prompt_list()]
+        except APIError as e:  # the errors of a prompt or a chat name their OpenAI field
+            raise renamed(e, {"prompt": "prompts", "messages": "prompts"}) from None
         stream = await self.submit(request, prompt_ids, [params] * len(prompt_ids), req.request_timeout_s,
                                    {"prompt": "prompts"}, req.stream, req.cache_salt)
         if req.stream:

@@ -292,6 +292,7 @@ def _json(name: str, description: str) -> dict[str, Any]:
 
 def _errors(*statuses: int) -> dict[int, dict[str, Any]]:
     words = {400: "a bad request: `param` names the field", 401: "missing or wrong API key (with --api-key)",
+             408: "the body did not all arrive within --body-timeout-s", 413: "the body is over 8 MiB",
              404: "`model` names a model this server does not serve", 429: "the queue is full; retry after `Retry-After`",
              500: "the engine failed this request", 503: "the engine is loading, failed or stopped"}
     return {s: _json(ErrorResponse.__name__, words[s]) for s in statuses}
@@ -311,7 +312,7 @@ def _generation(summary: str, request: str, response: str, events: tuple[str, ..
                          "failed, or the server cut, gets an ErrorResponse event; the stream always ends with `[DONE]`")
     ok["content"]["text/event-stream"] = {"schema": _events(*events)}
     return {"summary": summary,
-            "openapi_extra": _body(request), "responses": {200: ok, **_errors(400, 401, 404, 429, 500, 503)}}
+            "openapi_extra": _body(request), "responses": {200: ok, **_errors(400, 401, 404, 408, 413, 429, 500, 503)}}
 
 
 def _body(request: str) -> dict[str, Any]:
@@ -328,9 +329,9 @@ ROUTES: dict[str, dict[str, Any]] = {
                              GenerateResponse.__name__, (GenerateTextEvent.__name__, GenerateFinalEvent.__name__),
                              "(one prompt) a GenerateTextEvent per piece of text, then a GenerateFinalEvent"),
     "/tokenize": {"summary": "prompt or chat messages to token ids", "openapi_extra": _body(TokenizeRequest.__name__),
-                  "responses": {200: _json(TokenizeResponse.__name__, "the token ids"), **_errors(400, 401, 404, 503)}},
+                  "responses": {200: _json(TokenizeResponse.__name__, "the token ids"), **_errors(400, 401, 404, 408, 413, 503)}},
     "/detokenize": {"summary": "token ids to text", "openapi_extra": _body(DetokenizeRequest.__name__),
-                    "responses": {200: _json(DetokenizeResponse.__name__, "the text"), **_errors(400, 401, 404, 503)}},
+                    "responses": {200: _json(DetokenizeResponse.__name__, "the text"), **_errors(400, 401, 404, 408, 413, 503)}},
     "/v1/models": {"summary": "the served model",
                    "responses": {200: _json(ModelList.__name__, "one model card"), **_errors(401)}},
     "/health": {"summary": "200 once the engine serves (open, for load balancers)",
