@@ -228,3 +228,180 @@ def test_schemathesis_finds_no_5xx_and_every_error_names_its_field(fuzz_server, 
     assert total >= 200, statuses                            # the budget let a real number run
     assert by_status[200] >= 50 and by_status[400] >= 50    # both valid and invalid requests were sent
     assert httpx.get(fuzz_server.url + "/health").json() == {"status": "ok"}
+
+
+# -- hand-made attacks ------------------------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "hi"}]
+ATTACKS = [  # (name, path, body, status, param, code)
+    ("truncated JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
+    ("not an object", "/v1/chat/completions", b'"hello"', 400, None, "invalid_json"),
+    ("invalid UTF-8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe\xc3"}', 400, None, "invalid_json"),
+    ("lone surrogate", "/tokenize", b'{"prompt": "\\ud800"}', 400, None, "invalid_json"),
+    ("nesting 100k deep", "/generate", b'{"prompts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+     "invalid_json"),
+    ("NaN", "/v1/completions", b'{"model": "tiny", "prompt": "a", "temperature": NaN}', 400, "temperature", None),
+    ("Infinity", "/v1/chat/completions", b'{"model": "tiny", "messages": [], "top_p": Infinity}', 400, "top_p", None),
+    ("1e999", "/v1/completions", b'{"model": "tiny", "prompt": "a", "presence_penalty": -1e999}', 400,
+     "presence_penalty", None),
+    ("huge max_tokens", "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 10**40}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("huge n", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 10**40}, 400, "n", None),
+    ("huge seed", "/v1/completions", {"model": "tiny", "prompt": "a", "seed": 10**40}, 400, "seed", None),
+    ("huge token id", "/v1/completions", {"model": "tiny", "prompt": [10**40]}, 400, "prompt", None),
+    ("huge detokenize id", "/detokenize", {"tokens": [1, 10**40]}, 400, "tokens", None),
+    ("huge timeout", "/v1/completions", {"model": "tiny", "prompt": "a", "request_timeout_s": 1e308,
+                                         "max_tokens": 10**40}, 400, "max_tokens", "context_length_exceeded"),
+    ("negative top_k", "/v1/completions", {"model": "tiny", "prompt": "a", "top_k": -5}, 400, "top_k", None),
+    ("negative min_tokens", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "min_tokens": -1}, 400,
+     "min_tokens", None),
+    ("negative logprobs", "/generate", {"prompts": "a", "logprobs": -1}, 400, "logprobs", None),
+    ("negative top_logprobs", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logprobs": True,
+                                                       "top_logprobs": -1}, 400, "top_logprobs", None),
+    ("prompt an object", "/v1/completions", {"model": "tiny", "prompt": {"a": 1}}, 400, "prompt", None),
+    ("messages a string", "/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages", None),
+    ("stream a string", "/v1/completions", {"model": "tiny", "prompt": "a", "stream": "yes"}, 400, "stream", None),
+    ("prompts a number", "/generate", {"prompts": 5}, 400, "prompts", None),
+    ("tokens a string", "/detokenize", {"tokens": "abc"}, 400, "tokens", None),
+    ("temperature a string", "/generate", {"prompts": "a", "temperature": "hot"}, 400, "temperature", None),
+    ("5000 stop strings", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": [f"s{i}" for i in range(5000)]},
+     400, "stop", None),
+    ("5000 stop strings, native", "/generate", {"prompts": "a", "stop": [f"s{i}" for i in range(5000)]}, 400, "stop",
+     None),
+    ("a 1 MB stop string", "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stop": "x" * 2**20}, 400,
+     "stop", None),
+    ("a 5 MB prompt", "/v1/completions", {"model": "tiny", "prompt": "a" * 5_000_000}, 400, "prompt",
+     "context_length_exceeded"),
+    ("a 5 MB chat", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a" * 5_000_000}]},
+     400, "messages", "context_length_exceeded"),
+    ("a 5 MB native prompt", "/generate", {"prompts": ["a", "b" * 5_000_000]}, 400, "prompts",
+     "context_length_exceeded"),
+    ("a 5 MB tokenize", "/tokenize", {"prompt": "a" * 5_000_000}, 400, "prompt", "context_length_exceeded"),
+    ("20000 messages", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}] * 20_000}, 400,
+     "messages", "context_length_exceeded"),
+    ("a 2M-token prompt", "/v1/completions", {"model": "tiny", "prompt": [1] * 2_000_000}, 400, "prompt",
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, param, code", ATTACKS, ids=[a[0] for a in ATTACKS])
+def test_malformed_and_absurd_input_is_a_quick_4xx_naming_the_field(fuzz_server, name, path, body, status, param, code):
+    start = time.monotonic()
+    r = post(fuzz_server, path, body)
+    assert r.status_code == status, r.text[:500]
+    err = assert_error_body(r)
+    assert (err["param"], err["code"]) == (param, code), err
+    if param is not None:
+        assert param in err["message"], err
+    assert time.monotonic() - start < 5.0, f"{name} took {time.monotonic() - start:.1f} s"
+
+
+def test_native_caps_stay_caps_however_large(fuzz_server):
+    """/generate keeps the pipeline's meaning (MII's): max_new_tokens is a cap, and the context ends
+    the answer first, with finish_reason length (the OpenAI endpoints answer 400 instead)."""
+    r = post(fuzz_server, "/generate", {"prompts": "a", "max_new_tokens": 10**40, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    got = r.json()["responses"][0]
+    assert got["finish_reason"] == "length" and got["prompt_length"] + got["generated_length"] == CONTEXT
+
+
+def test_the_longest_stops_allowed_are_served(fuzz_server):
+    r = post(fuzz_server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 8,
+                                              "stop": [chr(65 + i) * 256 for i in range(16)]})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+
+
+def raw_request(srv, head: bytes, body: bytes = b"", timeout_s: float = 20.0) -> tuple[int, dict]:
+    """Send ``head`` and as much of ``body`` as the server takes; read the answer (a server may
+    answer and close before the body is all sent)."""
+    port = int(srv.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        try:
+            s.sendall(head + body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _content_length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.split(b"\r\n\r\n", 1)[1])
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 1 << 30
+
+
+def _head(path: str, extra: str) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\n{extra}\r\n").encode()
+
+
+def test_a_10_mb_body_is_a_413_before_it_is_read(fuzz_server):
+    body = json.dumps({"model": "tiny", "prompt": "a" * 10_000_000}).encode()
+    start = time.monotonic()
+    status, answer = raw_request(fuzz_server, _head("/v1/completions", f"Content-Length: {len(body)}\r\n"), body)
+    assert status == 413 and answer["error"]["code"] == "request_too_large", answer
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[i:i + 2**20] for i in range(0, len(body), 2**20)))
+    status, answer = raw_request(fuzz_server, _head("/generate", "Transfer-Encoding: chunked\r\n"), chunked + b"0\r\n\r\n")
+    assert status == 413 and answer["error"]["code"] == "request_too_large", answer   # counted, not declared
+    assert time.monotonic() - start < 10.0
+
+
+def test_the_server_keeps_serving_through_slowloris_and_huge_prompts(fuzz_server):
+    """150 clients stall mid-body and 50 mid-headers while two clients send 5 MB prompts in a loop:
+    another client's requests still finish quickly; the body stallers get a 408 after the body
+    timeout; the header stallers hold only their own connections (uvicorn has no header timeout)."""
+    port = int(fuzz_server.url.rsplit(":", 1)[1])
+    body_stallers, header_stallers = [], []
+    for i in range(200):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        head = _head("/v1/completions", "Content-Length: 1000\r\n")
+        if i < 150:
+            s.sendall(head + b'{"model": "tiny", "prompt": "a')
+            body_stallers.append(s)
+        else:
+            s.sendall(head[:40])
+            header_stallers.append(s)
+    stalled_at = time.monotonic()
+    stop = threading.Event()
+    num_refused = collections.Counter()
+
+    def flood() -> None:
+        huge = json.dumps({"model": "tiny", "prompt": "hello world " * 400_000, "max_tokens": 4})
+        while not stop.is_set():
+            num_refused[post(fuzz_server, "/v1/completions", huge).status_code] += 1
+
+    floods = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
+    for t in floods:
+        t.start()
+    latencies = []
+    try:
+        for i in range(20):
+            start = time.monotonic()
+            r = post(fuzz_server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 4,
+                                                           "stream": i % 2 == 1}, timeout=30)
+            assert r.status_code == 200, r.text
+            latencies.append(time.monotonic() - start)
+    finally:
+        stop.set()
+        for t in floods:
+            t.join(30)
+    assert max(latencies) < 5.0, latencies
+    assert num_refused[400] >= 4 and set(num_refused) == {400}, num_refused
+    answered = 0
+    for s in body_stallers:
+        s.settimeout(max(1.0, stalled_at + BODY_TIMEOUT_S + 15 - time.monotonic()))
+        head = s.recv(4096)
+        answered += head.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in head
+        s.close()
+    assert answered == len(body_stallers)
+    for s in header_stallers:
+        s.close()
+    r = post(fuzz_server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2})
+    assert r.status_code == 200 and httpx.get(fuzz_server.url + "/health").json() == {"status": "ok"}
