@@ -261,9 +261,9 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
 
 def components() -> dict[str, Any]:
     """Every request and response schema, by model name, with refs into ``#/components/schemas``."""
-    mapping, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS]
-                                       + [(m, "serialization") for m in RESPONSE_MODELS],
-                                       ref_template="#/components/schemas/{model}")
+    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS]
+                                 + [(m, "serialization") for m in RESPONSE_MODELS],
+                                 ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     names = [m.__name__ for m in REQUEST_MODELS + RESPONSE_MODELS]
     assert len(set(names)) == len(names) and all(n in schemas for n in names), "component names must be unique"
@@ -292,9 +292,10 @@ def _json(name: str, description: str) -> dict[str, Any]:
 
 def _errors(*statuses: int) -> dict[int, dict[str, Any]]:
     words = {400: "a bad request: `param` names the field", 401: "missing or wrong API key (with --api-key)",
+             404: "`model` names a model this server does not serve",
              408: "the body did not all arrive within --body-timeout-s", 413: "the body is over 8 MiB",
-             404: "`model` names a model this server does not serve", 429: "the queue is full; retry after `Retry-After`",
-             500: "the engine failed this request", 503: "the engine is loading, failed or stopped"}
+             429: "the queue is full; retry after `Retry-After`", 500: "the engine failed this request",
+             503: "the engine is loading, failed or stopped"}
     return {s: _json(ErrorResponse.__name__, words[s]) for s in statuses}
 
 
@@ -307,7 +308,8 @@ def _events(*names: str) -> dict[str, Any]:
             {"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
 
 
-def _generation(summary: str, request: str, response: str, events: tuple[str, ...], streamed: str) -> dict[str, Any]:
+def _generation(summary: str, request: str, response: str, events: tuple[str, ...],
+                streamed: str) -> dict[str, Any]:
     ok = _json(response, f"the whole answer (`stream` false); `stream: true`: {streamed}; a choice the engine "
                          "failed, or the server cut, gets an ErrorResponse event; the stream always ends with `[DONE]`")
     ok["content"]["text/event-stream"] = {"schema": _events(*events)}
@@ -329,9 +331,11 @@ ROUTES: dict[str, dict[str, Any]] = {
                              GenerateResponse.__name__, (GenerateTextEvent.__name__, GenerateFinalEvent.__name__),
                              "(one prompt) a GenerateTextEvent per piece of text, then a GenerateFinalEvent"),
     "/tokenize": {"summary": "prompt or chat messages to token ids", "openapi_extra": _body(TokenizeRequest.__name__),
-                  "responses": {200: _json(TokenizeResponse.__name__, "the token ids"), **_errors(400, 401, 404, 408, 413, 503)}},
+                  "responses": {200: _json(TokenizeResponse.__name__, "the token ids"),
+                                **_errors(400, 401, 404, 408, 413, 503)}},
     "/detokenize": {"summary": "token ids to text", "openapi_extra": _body(DetokenizeRequest.__name__),
-                    "responses": {200: _json(DetokenizeResponse.__name__, "the text"), **_errors(400, 401, 404, 408, 413, 503)}},
+                    "responses": {200: _json(DetokenizeResponse.__name__, "the text"),
+                                  **_errors(400, 401, 404, 408, 413, 503)}},
     "/v1/models": {"summary": "the served model",
                    "responses": {200: _json(ModelList.__name__, "one model card"), **_errors(401)}},
     "/health": {"summary": "200 once the engine serves (open, for load balancers)",
@@ -342,10 +346,25 @@ ROUTES: dict[str, dict[str, Any]] = {
 }
 
 
+OPERATION_IDS = {"/v1/completions": "create_completion", "/v1/chat/completions": "create_chat_completion",
+                 "/generate": "generate", "/tokenize": "tokenize", "/detokenize": "detokenize",
+                 "/v1/models": "list_models", "/health": "health", "/metrics": "metrics"}
+DESCRIPTIONS = {  # docs/server.md tells the rest
+    "/v1/completions": "OpenAI's legacy completions: `max_tokens` defaults to 16; fastgen's extensions are listed "
+                       "in the request model (top_k, min_p, min_tokens, ignore_eos, request_timeout_s, ...).",
+    "/v1/chat/completions": "OpenAI's chat completions, with tools and structured outputs; `max_tokens` defaults "
+                            "to the room the context leaves after the prompt.",
+    "/generate": "The pipeline's prompts (text, token ids or a chat; one or a list) and generate kwargs, with "
+                 "their meanings and defaults (MII's): `max_new_tokens` is a cap, ended by the context.",
+}
+
+
 def route_doc(path: str) -> dict[str, Any]:
     """FastAPI route keywords that publish ``path``'s body and answers (``response_model=None``:
-    handlers return their JSON themselves)."""
-    return {"response_model": None, **ROUTES[path]}
+    handlers return their JSON themselves), under a stable operation id (code generators name
+    their methods after it; the balancer's routes get the replicas')."""
+    return {"response_model": None, "operation_id": OPERATION_IDS[path],
+            "description": DESCRIPTIONS.get(path, ROUTES[path]["summary"]), **ROUTES[path]}
 
 
 def install_docs(app: FastAPI, open_paths: frozenset[str], keyed: bool) -> None:
