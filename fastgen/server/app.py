@@ -30,9 +30,9 @@ from .errors import (APIError, QueueFullError, bad_request, from_invalid_request
                      renamed)
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, CompletionRequest,
-                       GenerateRequest, ResponseBuilder, model_not_found)
+                       DetokenizeRequest, GenerateRequest, ResponseBuilder, TokenizeRequest, model_not_found)
 from .http import create_fastapi_app, race_disconnect, request_tenant, sse
-from .openapi import DetokenizeRequest, TokenizeRequest, route_doc
+from .openapi import route_doc
 from .tools import ToolCallStream, ToolPlan, with_tools
 from .wire import response_to_json
 

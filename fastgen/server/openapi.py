@@ -26,28 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
 from ..request import FinishReason, Response, SamplingParams
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateRequest, _Model
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest,
+                       TokenizeRequest)
 
 OPENAPI_PATH = "/openapi.json"
 DOCS_PATH = "/docs"
 _ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon.png": "image/png"}
 DOCS_PATHS = frozenset({OPENAPI_PATH, DOCS_PATH, *(f"{DOCS_PATH}/{name}" for name in _ASSETS)})
-
-
-# -- small request bodies (the OpenAI ones live in protocol.py) -----------------------------------
-
-class TokenizeRequest(_Model):
-    """Give exactly one of ``prompt`` and ``messages`` (the chat template is applied to those)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(_Model):
-    model: str | None = None
-    tokens: list[int]
 
 
 # -- response bodies --------------------------------------------------------------------------------

@@ -286,6 +286,20 @@ class GenerateRequest(_Model):
         return SamplingParams.from_kwargs(dict(self.model_extra or {}))
 
 
+class TokenizeRequest(_Model):
+    """Give exactly one of ``prompt`` and ``messages`` (the chat template is applied to those)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses -----------------------------------------------------------------------------------
 
 TokenText = Callable[[int], str]
