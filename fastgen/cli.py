@@ -164,7 +164,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         api_keys=api_keys(ns.api_key, ns.api_key_file, os.environ.get(API_KEY_ENV)), max_queue=ns.max_queue,
         request_timeout_s=ns.request_timeout_s, drain_timeout_s=ns.drain_timeout_s, replicas=ns.replicas,
         upstreams=tuple(ns.upstream or ()), engine_options=tuple(_split(ns, EngineOptions).items()),
-        log_level=ns.log_level, trace_file=ns.trace_file)
+        log_level=ns.log_level, trace_file=ns.trace_file, body_timeout_s=ns.body_timeout_s)
     return run_server(config)
 
 
@@ -196,6 +196,8 @@ def _add_serve_parser(sub) -> None:
                        help="default deadline of a request from its arrival (finish_reason 'timeout')")
     serve.add_argument("--drain-timeout-s", type=float, default=30.0,
                        help="on SIGTERM, how long in-flight requests may finish before they are cancelled")
+    serve.add_argument("--body-timeout-s", type=float, default=30.0,
+                       help="a request body not all received this long after reading began is answered 408")
     serve.add_argument("--replicas", type=int, default=1,
                        help="engine processes behind a load-aware balancer (each gets cores/N threads)")
     serve.add_argument("--upstream", nargs="+", metavar="URL", default=None,

@@ -12,7 +12,7 @@ import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import AsyncIterator, Callable, Literal, TypeVar
 
 import pydantic
@@ -26,11 +26,13 @@ from ..request import SamplingParams, TokenLogprob
 from .config import ServerConfig
 from .dashboard import Telemetry, dashboard_html
 from .engine_loop import Delta, EngineLoop, StepReport, Stream
-from .errors import APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error
+from .errors import (APIError, QueueFullError, bad_request, from_invalid_request, from_validation_error,
+                     renamed)
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, ChatMessage,
-                       CompletionRequest, GenerateRequest, ResponseBuilder, _Model, model_not_found)
+from .protocol import (COMPLETION_DEFAULT_MAX_TOKENS, PARAM_NAMES, ChatCompletionRequest, CompletionRequest,
+                       DetokenizeRequest, GenerateRequest, ResponseBuilder, TokenizeRequest, model_not_found)
 from .http import create_fastapi_app, race_disconnect, request_tenant, sse
+from .openapi import route_doc
 from .tools import ToolCallStream, ToolPlan, with_tools
 from .wire import response_to_json
 
@@ -85,18 +87,6 @@ def _failed_event(d: Delta) -> str:
 def _shutdown_event(d: Delta) -> str:
     """The error event of a choice the server cut while shutting down."""
     return sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
-
-
-class TokenizeRequest(_Model):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(_Model):
-    model: str | None = None
-    tokens: list[int]
 
 
 class Server:
@@ -177,12 +167,33 @@ class Server:
         except Exception as e:  # a template that rejects these messages (e.g. the roles' order)
             raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
 
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits in the context, whatever it says: no token spells more
+        characters than the vocabulary's longest entry (x4 where the tokenizer normalizes first,
+        as composing can fold three characters into one)."""
+        backend = self.engine.tokenizer.backend_tokenizer
+        longest = max(map(len, backend.get_vocab(with_added_tokens=True)))
+        return self.engine.config.max_model_len * longest * (1 if backend.normalizer is None else 4)
+
+    def check_prompt_size(self, num_chars: int, param: str, num_messages: int = 0) -> None:
+        """A quick 400 for a prompt that cannot fit, before the one tokenizer thread spends seconds
+        on it while every other request waits (a 10 MB prompt took 28 s). A chat of more messages
+        than the context has tokens cannot fit either: a template writes at least one per message."""
+        context = self.engine.config.max_model_len
+        if num_chars > self.max_prompt_chars or num_messages > context:
+            what = f"{num_messages} messages" if num_messages > context else f"{num_chars} characters"
+            raise APIError(400, f"{param}: {what} cannot fit in this model's maximum context length of {context} "
+                                f"tokens; shorten the prompt", param=param, code="context_length_exceeded")
+
     async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self.check_prompt_size(len(prompt), "prompt")
             return await self._off_thread(self._encode, prompt)
         return list(prompt)
 
     async def encode_chat(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+        self.check_prompt_size(_num_chars(messages), "messages", len(messages))
         return await self._off_thread(lambda: self._encode(self._template(messages, tools)))
 
     async def check_constraint(self, params: SamplingParams, param_names: dict[str, str]) -> None:
@@ -363,8 +374,11 @@ class Server:
         except (InvalidRequestError, TypeError) as e:
             raise bad_request(str(e), getattr(e, "param", None)) from None
         await self.check_constraint(params, {})
-        prompt_ids = [await (self.encode_chat(p) if p and isinstance(p[0], dict) else self.encode(p))
-                      for p in req.prompt_list()]
+        try:
+            prompt_ids = [await (self.encode_chat(p) if p and isinstance(p[0], dict) else self.encode(p))
+                          for p in req.prompt_list()]
+        except APIError as e:  # the errors of a prompt or a chat name their OpenAI field
+            raise renamed(e, {"prompt": "prompts", "messages": "prompts"}) from None
         stream = await self.submit(request, prompt_ids, [params] * len(prompt_ids), req.request_timeout_s,
                                    {"prompt": "prompts"}, req.stream, req.cache_salt)
         if req.stream:
@@ -402,9 +416,12 @@ class Server:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            text = await self._off_thread(self._template, [m.as_template_dict() for m in req.messages])
+            messages = [m.as_template_dict() for m in req.messages]
+            self.check_prompt_size(_num_chars(messages), "messages", len(messages))
+            text = await self._off_thread(self._template, messages)
         else:
             text = req.prompt
+            self.check_prompt_size(len(text), "prompt")
         ids = await self._off_thread(self._encode, text, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.config.max_model_len}
 
@@ -462,6 +479,10 @@ class Server:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _num_chars(messages: list[dict]) -> int:
+    return sum(len(m.get("content") or "") for m in messages)
+
+
 def _say(message: str) -> None:
     import sys
 
@@ -489,29 +510,29 @@ def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -
     app.state.server = server
     app.state.drain = server.drain
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_doc("/v1/completions"))
     async def completions(request: Request) -> Response:
         return await server.openai(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_doc("/v1/chat/completions"))
     async def chat_completions(request: Request) -> Response:
         return await server.openai(request, "chat")
 
-    app.add_api_route("/generate", server.generate, methods=["POST"])
-    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
-    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/generate", server.generate, methods=["POST"], **route_doc("/generate"))
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], **route_doc("/tokenize"))
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"], **route_doc("/detokenize"))
+    app.add_api_route("/v1/models", server.models, methods=["GET"], **route_doc("/v1/models"))
+    app.add_api_route("/health", server.health, methods=["GET"], **route_doc("/health"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", **route_doc("/metrics"))
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", include_in_schema=False)  # a page and its feed, not API
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(dashboard_html())
 
-    @app.get("/dashboard/feed")
+    @app.get("/dashboard/feed", include_in_schema=False)
     async def dashboard_feed() -> StreamingResponse:
         if server.loop.state == "ready":
             cfg = server.engine.config

@@ -33,6 +33,7 @@ from .http import create_fastapi_app, race_disconnect, sse
 from .config import ServerConfig
 from .errors import APIError
 from .metrics import CONTENT_TYPE
+from .openapi import route_doc
 
 log = logging.getLogger(__name__)
 
@@ -324,14 +325,14 @@ def create_balancer_app(config: ServerConfig, balancer: Balancer) -> FastAPI:
     app.state.balancer = balancer
     app.state.drain = balancer.drain
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", include_in_schema=False)  # a page and its feed, not API
     async def dashboard() -> Response:
         from importlib import resources
 
         page = resources.files("fastgen.server").joinpath("static/dashboard.html").read_text(encoding="utf-8")
         return Response(page, media_type="text/html; charset=utf-8")
 
-    @app.get("/dashboard/feed")
+    @app.get("/dashboard/feed", include_in_schema=False)
     async def dashboard_feed(request: Request) -> Response:
         """Replica ``?replica=I``'s feed, relayed, after a line that lists the replicas."""
         try:
@@ -364,22 +365,22 @@ def create_balancer_app(config: ServerConfig, balancer: Balancer) -> FastAPI:
             return Response(content, status_code=resp.status_code, headers=_response_headers(resp))
         return StreamingResponse(relay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/health")
+    @app.get("/health", **route_doc("/health"))
     async def health() -> JSONResponse:
         up = len(balancer.healthy)
         body = {"status": "ok" if up else "unavailable", "upstreams_up": up, "upstreams": len(balancer.upstreams)}
         return JSONResponse(body, status_code=200 if up else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", **route_doc("/metrics"))
     async def metrics() -> Response:
         return Response(generate_latest(balancer.registry), media_type=CONTENT_TYPE)
 
-    @app.get("/replicas")
+    @app.get("/replicas", summary="the balancer's replicas and what it knows of each", response_model=None)
     async def replicas() -> JSONResponse:
         return JSONResponse({"upstreams": [u.describe() for u in balancer.upstreams]})
 
     for path, methods in (("/v1/completions", ["POST"]), ("/v1/chat/completions", ["POST"]),
                           ("/generate", ["POST"]), ("/tokenize", ["POST"]), ("/detokenize", ["POST"]),
                           ("/v1/models", ["GET"])):
-        app.add_api_route(path, balancer.proxy, methods=methods)
+        app.add_api_route(path, balancer.proxy, methods=methods, **route_doc(path))  # the replicas' schema
     return app

@@ -25,6 +25,8 @@ class ServerConfig:
     request_timeout_s: default deadline of every request, from its arrival (``None`` = none);
         a request may set its own with the ``request_timeout_s`` field.
     drain_timeout_s: on SIGTERM, how long in-flight requests may run before they are cancelled.
+    body_timeout_s: a request body must have arrived this long after the server started reading
+        it, else 408 (a client that stalls mid-body holds its connection no longer).
     replicas: engine processes behind a load balancer (1 = no balancer).
     upstreams: other ``fastgen serve`` URLs to balance over (no local engine then).
     engine_options: keywords for :class:`fastgen.config.EngineOptions`.
@@ -40,6 +42,7 @@ class ServerConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
     replicas: int = 1
     upstreams: tuple[str, ...] = ()
     engine_options: tuple[tuple[str, Any], ...] = ()
@@ -58,6 +61,7 @@ class ServerConfig:
         check(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s",
               f"must be > 0, got {self.request_timeout_s}")
         check(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+        check(self.body_timeout_s > 0, "body_timeout_s", f"must be > 0, got {self.body_timeout_s}")
         check(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
         check(not (self.upstreams and self.replicas > 1), "upstreams",
               "balance over either local --replicas or --upstream servers, not both")
@@ -93,7 +97,8 @@ class ServerConfig:
         ``FASTGEN_API_KEY``, not on the command line, where other users could read it)."""
         argv = [] if self.model is None else [self.model]
         argv += ["--host", self.host, "--port", str(self.port), "--max-queue", str(self.max_queue),
-                 "--drain-timeout-s", str(self.drain_timeout_s), "--log-level", self.log_level]
+                 "--drain-timeout-s", str(self.drain_timeout_s), "--body-timeout-s", str(self.body_timeout_s),
+                 "--log-level", self.log_level]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
         if self.request_timeout_s is not None:

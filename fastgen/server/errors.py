@@ -61,6 +61,16 @@ def from_invalid_request(e: InvalidRequestError, param_names: dict[str, str] | N
     return APIError(400, message, param=param, code=code)
 
 
+def renamed(e: APIError, names: dict[str, str]) -> APIError:
+    """``e`` with its ``param`` renamed by ``names`` (a chat prompt's errors name ``messages``,
+    but in ``/generate`` the field is ``prompts``), in the message's leading ``param:`` too."""
+    new = names.get(e.param or "")
+    if new is None:
+        return e
+    message = f"{new}:{e.message[len(e.param) + 1:]}" if e.message.startswith(f"{e.param}:") else e.message
+    return APIError(e.status, message, type=e.type, param=new, code=e.code, headers=e.headers)
+
+
 def from_validation_error(e: pydantic.ValidationError) -> APIError:
     """The first pydantic error as a 400 naming its field (``param`` is the top-level field)."""
     err = e.errors(include_url=False)[0]

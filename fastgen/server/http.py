@@ -17,11 +17,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServerConfig
 from .errors import APIError
+from .openapi import DOCS_PATHS, install_docs
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})  # the page holds no data; its feed is keyed
-
+# the dashboard page, the schema and /docs hold no data (the dashboard's feed is keyed)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", *DOCS_PATHS})
+# A request body larger than this is refused (413) before it is read: 8 MiB is 10x the JSON of a
+# 128K-token prompt as token ids, and it keeps one client from holding the parser and tokenizer
+# for tens of seconds (a 10 MB prompt took 28 s to tokenize here, stalling everyone's requests).
+MAX_BODY_BYTES = 8 * 2**20
 
 
 async def race_disconnect(request: Request, work):
@@ -55,8 +60,8 @@ def request_tenant(request: Request) -> str | None:
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` names one of the keys (``/health``, ``/metrics``
-    and the dashboard's page, which holds no data, stay open; its feed is keyed); the key's
+    """401 unless ``Authorization: Bearer <key>`` names one of the keys (``OPEN_PATHS`` stay
+    open: ``/health``, ``/metrics``, the dashboard's page, the schema and ``/docs``); the key's
     tenant goes into the request's state."""
 
     def __init__(self, app, api_keys: tuple[str, ...]) -> None:
@@ -84,6 +89,53 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Bounds every request body: over ``MAX_BODY_BYTES`` (declared or sent) is a 413, a body
+    that has not all arrived ``timeout_s`` after the handler first asked for it is a 408 (a
+    client that stalls mid-body, slowloris-style, then holds its connection no longer). The
+    errors are raised inside the handler's ``receive``, so they reach the app's error handler."""
+
+    def __init__(self, app, timeout_s: float, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_bytes} bytes", code="request_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        num_bytes = 0
+        deadline: float | None = None
+        done = False
+
+        async def bounded_receive():
+            nonlocal num_bytes, deadline, done
+            if done:  # the body is in: later receives wait for a disconnect, unbounded
+                return await receive()
+            now = asyncio.get_running_loop().time()
+            deadline = deadline or now + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - now))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                               code="request_timeout") from None
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > self.max_bytes:
+                    raise self._too_large()
+                done = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error, including unknown routes and bugs, answers with an OpenAI-style body."""
 
@@ -102,10 +154,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_fastapi_app(title: str, lifespan, config: ServerConfig) -> FastAPI:
-    """A FastAPI app with OpenAI-style error bodies and, when configured, the API key check."""
-    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    """A FastAPI app with OpenAI-style error bodies, the published schema (openapi.py) and,
+    when configured, the API key check."""
+    from .. import __version__
+
+    app = FastAPI(title=title, version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # openapi.py serves the schema and an offline /docs
     install_error_handlers(app)
-    if config.api_keys:
+    install_docs(app, OPEN_PATHS, keyed=bool(config.api_keys))
+    app.add_middleware(BodyLimitMiddleware, timeout_s=config.body_timeout_s)
+    if config.api_keys:  # added last, so it runs first: no body is read for a request without the key
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     return app
 

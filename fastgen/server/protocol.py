@@ -40,7 +40,8 @@ PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and Infinity (which the JSON parser takes) are refused as such, not as "less than 2"
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -283,6 +284,20 @@ class GenerateRequest(_Model):
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams.from_kwargs(dict(self.model_extra or {}))
+
+
+class TokenizeRequest(_Model):
+    """Give exactly one of ``prompt`` and ``messages`` (the chat template is applied to those)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- responses -----------------------------------------------------------------------------------

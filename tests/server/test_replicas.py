@@ -130,3 +130,12 @@ def test_the_balancer_serves_the_dashboard_and_relays_each_replicas_feed(balance
         assert len(records[0]["replicas"]) == 2
         assert records[1]["kind"] == "hello" and records[1]["num_blocks"] == 64
         assert any(x["kind"] == "step" for x in records[2:]), f"replica {replica} streamed no step records"
+
+
+def test_the_balancer_publishes_the_replicas_schema(balanced, model):
+    ours = httpx.get(balanced.url + "/openapi.json", timeout=10).json()
+    replica = httpx.get(replicas(balanced)[0]["url"] + "/openapi.json", timeout=10).json()
+    proxied = {p: item for p, item in replica["paths"].items() if p not in ("/health", "/metrics")}
+    assert all(ours["paths"][p] == item for p, item in proxied.items())  # the same bodies and answers
+    assert "/replicas" in ours["paths"] and ours["components"]["schemas"] == replica["components"]["schemas"]
+    assert httpx.get(balanced.url + "/docs", timeout=10).status_code == 200

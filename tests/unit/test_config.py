@@ -47,13 +47,14 @@ def test_server_argv_round_trips_through_the_cli():
     from fastgen.cli import build_parser
     from fastgen.server.config import ServerConfig
 
-    config = ServerConfig(api_keys=("k1", "k2"), replicas=2,
+    config = ServerConfig(api_keys=("k1", "k2"), replicas=2, body_timeout_s=7.5,
                           engine_options=(("prefix_caching", False), ("int8_activations", True),
                                           ("budget_tokens", 64)))
     argv = config.to_argv()
     assert "k1" not in argv and "--no-prefix-caching" in argv and "--int8-activations" in argv
     ns = build_parser().parse_args(["serve", *argv])
     assert (ns.prefix_caching, ns.int8_activations, ns.budget_tokens, ns.replicas) == (False, True, 64, 2)
+    assert ns.body_timeout_s == 7.5
 
 
 def test_api_keys_from_flags_file_and_environment(tmp_path):
