@@ -21,6 +21,7 @@ import random
 import signal
 import sys
 import threading
+import time
 import typing
 from typing import Any
 
@@ -134,6 +135,7 @@ def application(config: ServerConfig, ray_config: RayConfig) -> serve.Applicatio
         graceful_shutdown_timeout_s=config.drain_timeout_s,
         request_router_config=RequestRouterConfig(request_router_class=SpreadRouter),
         max_constructor_retry_count=3,  # a model that does not load will not load on the 20th try either
+        logging_config={"log_level": config.log_level.upper()},  # as `fastgen serve`: no access log at warning
     ).bind(config, health_ping_timeout_s=0.8 * ray_config.health_check_timeout_s)
 
 
@@ -221,6 +223,21 @@ def _say(message: str) -> None:
     print(f"fastgen: {message}", file=sys.stderr, flush=True)
 
 
+def _proxy_listens(url: str, timeout_s: float) -> bool:
+    """Whether Serve's proxy answers at ``url`` within ``timeout_s`` (any status: before an app is
+    deployed its ``/-/healthz`` is 503, "route table is not populated yet")."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url + "/-/healthz", timeout=2.0)
+            return True
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return False
+
+
 def run_ray(config: ServerConfig, ray_config: RayConfig) -> int:
     """Deploy ``config.replicas`` replicas on the Ray cluster at ``ray_config.ray_address`` (or on
     a one-node cluster started here) behind Serve's proxy on ``config.host:config.port``; serve
@@ -244,11 +261,21 @@ def run_ray(config: ServerConfig, ray_config: RayConfig) -> int:
     else:
         ray.init(address=ray_config.ray_address)
     stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():  # a second Ctrl-C: stop waiting (e.g. for a deployment that does not come up)
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly",
                     logging_config={"log_level": config.log_level.upper()})
+        if not _proxy_listens(url, timeout_s=30.0):
+            _say(f"error: Serve's proxy does not answer at {url}: Serve already runs on this cluster with its "
+                 f"proxy elsewhere (it keeps its first --host/--port); use that port, or `serve shutdown` first")
+            return 1
         _say(f"deploying {config.replicas} replica(s) of {config.model_name()} on Ray "
              f"({ray_config.num_cpus_per_replica:g} CPU each; cluster CPUs: {ray.cluster_resources().get('CPU', 0):g})")
         serve.run(application(config, ray_config), name=APP_NAME, route_prefix="/")
