@@ -172,11 +172,14 @@ def test_builder_arguments_are_the_serve_flags_and_bad_ones_are_refused():
         assert e.value.param == param
 
 
-def test_serve_ray_refuses_bad_ray_options_before_starting_ray():
-    argv = [sys.executable, "-m", "fastgen.cli", "serve", "--ray", "--num-cpus-per-replica", "0"]
+@pytest.mark.parametrize("flags, error", [
+    (["--ray", "--num-cpus-per-replica", "0"], "num_cpus_per_replica: must be > 0, got 0.0"),
+    (["--max-ongoing-requests", "4"], "--max-ongoing-requests needs --ray")])
+def test_serve_refuses_bad_ray_options_before_starting_ray(flags, error):
+    argv = [sys.executable, "-m", "fastgen.cli", "serve", *flags]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 2
-    assert done.stderr.splitlines() == ["fastgen: error: num_cpus_per_replica: must be > 0, got 0.0"]
+    assert done.stderr.splitlines() == [f"fastgen: error: {error}"]
 
 
 # -- on the cluster ----------------------------------------------------------------------------------
