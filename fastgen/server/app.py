@@ -489,9 +489,12 @@ def _say(message: str) -> None:
     print(f"fastgen: {message}", file=sys.stderr, flush=True)
 
 
-def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -> FastAPI:
+def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None, *,
+               wait_loaded: bool = False) -> FastAPI:
     """The app of one engine. ``load`` builds the engine (default: ``config.model`` with its options);
-    it runs on the engine thread after the app starts, and ``/health`` answers 503 until it is done."""
+    it runs on the engine thread after the app starts, and ``/health`` answers 503 until it is done.
+    With ``wait_loaded`` the app's startup itself waits for the engine and fails if it does not
+    load (for hosts such as Ray Serve that send traffic to an app as soon as it has started)."""
     if load is None:
         def load() -> Engine:
             return Engine.from_pretrained(config.model, **config.engine_kwargs)
@@ -502,6 +505,8 @@ def create_app(config: ServerConfig, load: Callable[[], Engine] | None = None) -
     async def lifespan(app: FastAPI):
         server.loop.start(asyncio.get_running_loop())
         try:
+            if wait_loaded:
+                await server.loop.wait_loaded()
             yield
         finally:
             server.close()

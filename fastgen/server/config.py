@@ -116,3 +116,46 @@ class ServerConfig:
             elif value is not None:
                 argv += ["--" + flag, str(value)]
         return argv
+
+
+DEFAULT_MAX_ONGOING_REQUESTS = 64  # the engine's default max_seqs: as many as one step can hold
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """How ``fastgen serve --ray`` places, watches and limits replicas on Ray Serve (the replica
+    count is :attr:`ServerConfig.replicas`; docs/server.md, "Replicas on Ray Serve").
+
+    ray_address: the Ray cluster to join (what `ray start --head` printed, or "auto");
+        default: start a one-node cluster in this process, ended with the server.
+    num_cpus_per_replica: CPUs Ray reserves for each replica; its engine runs that many torch
+        threads (at least 1) unless --num-threads says otherwise.
+    max_ongoing_requests: requests one replica holds at once; more wait in Serve's proxy
+        for the first replica with room.
+    max_queued_requests: requests that may wait in the proxy; more are refused with 503
+        (-1 = no limit).
+    health_check_period_s: how often Serve asks each replica's engine thread whether it is alive.
+    health_check_timeout_s: how long an engine may take to answer (at most one step) before its
+        replica is replaced.
+    """
+
+    ray_address: str | None = None
+    num_cpus_per_replica: float = 1.0
+    max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS
+    max_queued_requests: int = DEFAULT_MAX_QUEUE
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{param}: {message}", param=param)
+
+        check(self.ray_address is None or bool(self.ray_address.strip()), "ray_address", "must not be empty")
+        check(self.num_cpus_per_replica > 0, "num_cpus_per_replica", f"must be > 0, got {self.num_cpus_per_replica}")
+        check(self.max_ongoing_requests >= 1, "max_ongoing_requests", f"must be >= 1, got {self.max_ongoing_requests}")
+        check(self.max_queued_requests >= 1 or self.max_queued_requests == -1, "max_queued_requests",
+              f"must be >= 1, or -1 for no limit, got {self.max_queued_requests}")
+        check(self.health_check_period_s > 0, "health_check_period_s", f"must be > 0, got {self.health_check_period_s}")
+        check(self.health_check_timeout_s > 0, "health_check_timeout_s",
+              f"must be > 0, got {self.health_check_timeout_s}")

@@ -7,6 +7,7 @@ through a queue one way and ``call_soon_threadsafe`` the other.
                                  <--admitted(error)--  (all or none)
     async for delta in stream  <--deliver(deltas)--  engine.step() -> one Delta per output
     stream.close()  (client gone) ------Abort------>  engine.abort(id): its blocks are free now
+    await loop.ping(timeout_s)   ------Ping------->  answered between two steps (health checks)
 
 The engine thread loads the model, then loops: take commands (blocking only when it has no
 work), end requests past their deadline, run one step, hand that step's deltas to the event
@@ -128,6 +129,13 @@ class _Stop:
 
 
 @dataclass(frozen=True)
+class _Ping:
+    """Answer ``future`` from the engine thread: proof that it is alive and taking commands."""
+
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
 class _Cut:
     """End every live request now (``FinishReason.ABORT``), telling its stream ``why``."""
 
@@ -216,6 +224,29 @@ class EngineLoop:
         await future
         return stream
 
+    async def wait_loaded(self, poll_s: float = 0.05) -> None:
+        """Return once the engine is loaded; raise :class:`EngineDeadError` if loading failed."""
+        while self.state == "loading":
+            await asyncio.sleep(poll_s)
+        if self.state != "ready":
+            raise EngineDeadError(f"the engine is {self.state}: {self.error}") from self.error
+
+    async def ping(self, timeout_s: float) -> None:
+        """A round trip through the engine thread, answered between two steps: returns when the
+        thread took the command, raises :class:`EngineDeadError` when the engine is not ready,
+        its thread has exited, or it did not answer within ``timeout_s`` (a step that hangs)."""
+        if self.state != "ready":
+            detail = f": {type(self.error).__name__}: {self.error}" if self.error is not None else ""
+            raise EngineDeadError(f"the engine is {self.state}{detail}")
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has exited")
+        future = self._loop.create_future()
+        self._inbox.put(_Ping(future))
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"the engine thread did not answer within {timeout_s:g} s") from None
+
     def abort(self, request_ids: list[str]) -> None:
         self._inbox.put(_Abort(list(request_ids)))
 
@@ -242,6 +273,15 @@ class EngineLoop:
             cmd.stream.close()
         else:
             cmd.future.set_result(None)
+
+    @staticmethod
+    def _answer(future: asyncio.Future, error: BaseException | None = None) -> None:
+        if future.done():  # the caller stopped waiting
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
     def _deliver(self, stats: EngineStats | None, deltas: list[tuple[Stream, Delta]], stepped: bool,
                  num_new_tokens: int, records: tuple[Record, ...] = ()) -> None:
@@ -292,6 +332,8 @@ class EngineLoop:
                     return
                 if isinstance(cmd, _Add):
                     self._call(self._admitted, cmd, EngineDeadError(f"the engine failed: {e}"))
+                elif isinstance(cmd, _Ping):
+                    self._call(self._answer, cmd.future, EngineDeadError(f"the engine failed: {e}"))
 
     def _close_engine(self) -> None:
         """Release what the engine holds beyond this process (a tensor-parallel replica's ranks)."""
@@ -310,6 +352,9 @@ class EngineLoop:
                 self._abort(list(self._live))
                 self._flush(engine.stats())
                 return False
+            if isinstance(cmd, _Ping):
+                self._call(self._answer, cmd.future)
+                continue
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Cut):

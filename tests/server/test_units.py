@@ -209,6 +209,61 @@ def test_failed_load_is_reported():
     assert state == "failed" and isinstance(error, OSError)
 
 
+class FailingEngine(FakeEngine):
+    """A FakeEngine whose ``fail_at``-th step raises, as a broken kernel would."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.num_steps = 0
+        self.fail_at = fail_at
+
+    def step(self) -> list[StepOutput]:
+        self.num_steps += 1
+        if self.num_steps == self.fail_at:
+            raise RuntimeError("kernel exploded")
+        return super().step()
+
+
+def test_ping_is_answered_between_steps_while_the_engine_works():
+    async def body(loop):
+        stream = await loop.submit([[1]], [params(10_000)])
+        await stream.__anext__()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            await loop.ping(timeout_s=1.0)
+        elapsed = time.perf_counter() - t0
+        stream.close()
+        return elapsed
+
+    assert run_with_loop(FakeEngine(step_s=0.01), body) < 0.5  # one step (10 ms) per ping at most
+
+
+def test_ping_fails_when_the_engine_failed_hangs_or_stopped():
+    async def failed(loop):
+        stream = await loop.submit([[1]], [params(100)])
+        [d async for d in stream]  # the failing step ends it with finish_reason "error"
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            await loop.ping(timeout_s=1.0)
+
+    run_with_loop(FailingEngine(fail_at=3), failed)
+
+    async def hung(loop):
+        stream = await loop.submit([[1]], [params(10)])
+        await stream.__anext__()  # the engine is now inside 2 s steps
+        with pytest.raises(EngineDeadError, match="did not answer within 0.2 s"):
+            await loop.ping(timeout_s=0.2)
+        stream.close()
+
+    run_with_loop(FakeEngine(step_s=2.0), hung)
+
+    async def stopped(loop):
+        loop.stop()
+        with pytest.raises(EngineDeadError, match="stopped"):
+            await loop.ping(timeout_s=1.0)
+
+    run_with_loop(FakeEngine(), stopped)
+
+
 # -- protocol ---------------------------------------------------------------------------------------
 
 def test_openai_defaults_and_extensions_map_onto_sampling_params():
