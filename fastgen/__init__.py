@@ -1,10 +1,29 @@
-"""fastgen: high-throughput LLM serving with Dynamic SplitFuse (DeepSpeed-FastGen)."""
-from .client import client
-from .errors import FastgenError, InvalidRequestError, ModelLoadError, PromptTooLongError
-from .pipeline import Pipeline, pipeline
-from .request import FinishReason, Response, SamplingParams
-from .server.launch import serve
+"""fastgen: high-throughput LLM serving with Dynamic SplitFuse (DeepSpeed-FastGen).
 
-__all__ = ["FastgenError", "FinishReason", "InvalidRequestError", "ModelLoadError", "Pipeline",
-           "PromptTooLongError", "Response", "SamplingParams", "client", "pipeline", "serve"]
+The names below load on first use (PEP 562), so that processes that only route HTTP (the
+``--replicas`` balancer, the CLI before it starts an engine) never import torch."""
+from __future__ import annotations
+
+import importlib
+
+_NAMES = {
+    "client": "client", "FastgenError": "errors", "InvalidRequestError": "errors", "ModelLoadError": "errors",
+    "PromptTooLongError": "errors", "Pipeline": "pipeline", "pipeline": "pipeline", "FinishReason": "request",
+    "Response": "request", "SamplingParams": "request", "serve": "server.launch",
+}
+
+__all__ = sorted(_NAMES)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastgen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_NAMES])

@@ -13,9 +13,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:   # the resolvers import torch; building and validating options does not
+    import torch
 
 # The budget used where it is not measured ("auto" is the default; fastgen.calibrate):
 # on the 2-core AMX CPU, forward time per token flattens out near 256 tokens per step for
@@ -99,12 +102,22 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}   # name -> torch attribute
+
+
+def _is_torch_dtype(value) -> bool:
+    """A ``torch.dtype`` can only come from a caller that imported torch already."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.dtype)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """``auto`` -> bf16 on CUDA or on a CPU with AVX512-BF16/AMX, else fp32."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -114,7 +127,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise InvalidRequestError(
             f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}", param="dtype")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def cache_dir() -> Path:
@@ -127,6 +140,8 @@ def cache_dir() -> Path:
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None``/``auto`` -> the ``FASTGEN_DEVICE`` variable, else CUDA when present, else CPU."""
+    import torch
+
     if device is None or device == "auto":
         device = os.environ.get("FASTGEN_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -184,7 +199,7 @@ class EngineOptions:
                                       param="quantization")
         if self.kernels not in KERNELS:
             raise InvalidRequestError(f"kernels must be one of {KERNELS}, got {self.kernels!r}", param="kernels")
-        if self.dtype not in ("auto", *_DTYPES) and not isinstance(self.dtype, torch.dtype):
+        if self.dtype not in ("auto", *_DTYPES) and not _is_torch_dtype(self.dtype):
             raise InvalidRequestError(
                 f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}", param="dtype")
 
@@ -201,6 +216,8 @@ class EngineOptions:
 def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_per_token: int,
                           model_max_len: int) -> EngineConfig:
     """Resolve every "auto" in ``options`` against the machine and the loaded model."""
+    import torch
+
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     num_threads = options.num_threads or int(os.environ.get("FASTGEN_NUM_THREADS", 0)) \

@@ -268,7 +268,7 @@ class Engine:
                 continue
             del self._compiling[rid]
             try:
-                req.grammar_state = self.grammars.matcher(future.result())
+                req.grammar_state = self.grammars.matcher(future.result(), req.params.structured)
             except Exception as e:  # InvalidRequestError naming the constraint, or xgrammar's own
                 failed.append(self._finish(req, FinishReason.ERROR, str(e)))
                 continue

@@ -9,6 +9,11 @@ its prompt has been processed once.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # torch is imported by the engine, not by processes that only route requests
+    import torch
+
 import enum
 import json
 import math
@@ -16,7 +21,6 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
 
 from .errors import InvalidRequestError
 from .structured import GrammarSpec, GrammarState, json_schema_text

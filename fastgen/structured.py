@@ -16,15 +16,19 @@ compiled (:func:`check_json_schema`): xgrammar quietly ignores some (``not``, ``
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:   # imported where masks are made (the engine), not by processes that only route requests
+    import torch
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -189,8 +193,25 @@ class GrammarCompiler:
         done (the engine accepts tokens only after sampling)."""
         return self._mask_pool.submit(grammar_bias, states, self.vocab_size)
 
-    def matcher(self, compiled: Any) -> "GrammarState":
-        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+    def matcher(self, compiled: Any, spec: GrammarSpec | None = None) -> "GrammarState":
+        """A fresh matcher of ``compiled``; for JSON (``spec`` of kind json_schema/json_object) it
+        also forbids every token holding a control character (see :attr:`control_token_ids`)."""
+        banned = self.control_token_ids if spec is not None and spec.kind in ("json_schema", "json_object") else None
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size, banned)
+
+    @functools.cached_property
+    def control_token_ids(self) -> "torch.Tensor":
+        """Tokens whose bytes hold a control character (U+0000-U+001F). Compact JSON (no free
+        whitespace, as fastgen compiles it) can hold none: inside strings they must be escaped,
+        outside only spaces separate. xgrammar 0.2.9 lets them into length-limited strings
+        (``maxLength``: ``[^"\\\r\n]{0,n}``), which gave ``"# Jes\x05"``, invalid JSON
+        (found by tests/e2e/test_structured.py); forbidding these tokens closes that for every
+        schema. Special tokens (EOS) decode to no bytes and stay allowed."""
+        import torch
+
+        vocab = self.tokenizer_info.decoded_vocab
+        ids = [i for i, b in enumerate(vocab[:self.vocab_size]) if any(c < 0x20 for c in b)]
+        return torch.tensor(ids, dtype=torch.long)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -201,10 +222,11 @@ class GrammarState:
     """One request's matcher. Invariant: it has accepted exactly the request's generated tokens
     (``num_accepted``), so a recomputed request (preemption) is never advanced twice."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, banned: "torch.Tensor | None" = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size       # the width of the model's logits
         self.num_accepted = 0
+        self.banned = banned               # token ids forbidden whatever the grammar allows
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -222,22 +244,32 @@ class GrammarState:
 
 
 # [256, 8]: for each byte value, 0 where its bit j is set (token allowed) and -inf where it is not
-_BYTE_BIAS = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+@functools.cache
+def _byte_bias() -> "torch.Tensor":
+    """[256, 8]: 0 where bit i of the byte is set, -inf where it is clear."""
+    import torch
+
+    return torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
 
 def grammar_bias(states: list[tuple[int, GrammarState]], vocab_size: int) -> torch.Tensor:
     """[len(states), vocab_size] fp32, one row per state: 0 on the tokens its grammar allows next,
     -inf elsewhere. xgrammar fills a bitmask (one bit per token); it is unpacked by looking up its
-    bytes, little-endian as xgrammar packs them, in ``_BYTE_BIAS``. Adding this to the logits costs
+    bytes, little-endian as xgrammar packs them, in ``_byte_bias()``. Adding this to the logits costs
     the engine's thread 0.07 ms for 8 rows here, against 1.9 ms for xgrammar's CPU apply
     (``apply_token_bitmask_inplace``); the unpacking, 0.3 ms, runs on the mask thread."""
+    import torch
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)      # [k, ceil(vocab / 32)] int32
     for j, (_, state) in enumerate(states):
         state.fill(bitmask, j)
     k = len(states)
-    return torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), _BYTE_BIAS).view(k, -1)[:, :vocab_size]
+    bias = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), _byte_bias()).view(k, -1)[:, :vocab_size]
+    for j, (_, state) in enumerate(states):
+        if state.banned is not None and state.banned.numel():
+            bias[j].index_fill_(0, state.banned, float("-inf"))
+    return bias
 
 
 def apply_grammar_masks(logits: torch.Tensor, states: list[tuple[int, GrammarState]],
@@ -247,6 +279,8 @@ def apply_grammar_masks(logits: torch.Tensor, states: list[tuple[int, GrammarSta
     :func:`grammar_bias` of ``states`` if already computed (:meth:`GrammarCompiler.bias_async`)."""
     if not states:
         return
+    import torch
+
     if bias is None:
         bias = grammar_bias(states, states[0][1].vocab_size)
     bias = bias.to(logits.device)

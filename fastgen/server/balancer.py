@@ -29,10 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .http import create_fastapi_app, race_disconnect, sse
+from .http import CONTENT_TYPE, create_fastapi_app, race_disconnect, sse
 from .config import ServerConfig
 from .errors import APIError
-from .metrics import CONTENT_TYPE
 from .openapi import route_doc
 
 log = logging.getLogger(__name__)

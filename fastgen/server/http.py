@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServerConfig
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"   # Prometheus text format of /metrics
 from .errors import APIError
 from .openapi import DOCS_PATHS, install_docs
 

@@ -11,8 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .engine_loop import EngineLoop, StepReport
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from .http import CONTENT_TYPE  # noqa: F401  (re-exported: the text format of /metrics)
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)

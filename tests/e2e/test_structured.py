@@ -183,8 +183,10 @@ def test_preempted_constrained_requests_keep_their_matchers(tiny_dir):
     """A pool too small for all of them: requests are preempted and recomputed (their generated
     tokens kept) and their matchers are not advanced again (the engine asserts it each step)."""
     engine = make_engine(tiny_dir, num_blocks=40, reserve_blocks=0)
+    # v bounded: a random model's draws inside an unbounded integer can run past max_new_tokens
     schema = {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3},
-                                                                         "v": {"type": "integer"}},
+                                                                         "v": {"type": "integer", "minimum": -999,
+                                                                               "maximum": 999}},
                                          "required": ["k", "v"]}, "minItems": 4, "maxItems": 5}
     rs = run(engine, [(PROMPT, SamplingParams(max_new_tokens=120, seed=s, json_schema=schema)) for s in range(6)])
     assert sum(r.num_preemptions for r in rs) > 0
@@ -251,3 +253,24 @@ def test_masks_equal_xgrammars_own_and_touch_only_constrained_rows(engine):
     assert torch.equal(got, want)
     assert torch.equal(got[[0, 3]], logits[[0, 3]])
     assert 0 < int(torch.isfinite(got[1]).sum()) < vocab
+
+
+def test_json_never_holds_a_raw_control_character(engine):
+    """xgrammar 0.2.9 lets control characters into length-limited strings; fastgen forbids every
+    token holding one in JSON modes (GrammarCompiler.control_token_ids), whatever the schema."""
+    banned = engine.grammars.control_token_ids
+    assert banned.numel() > 0 and 194 in banned.tolist()        # SmolLM2's byte token for \x05
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
+    spec = SamplingParams(json_schema=schema).structured
+    state = engine.grammars.matcher(engine.grammars.compile(spec), spec)
+    for tok in engine.tokenizer.encode('{"name": "', add_special_tokens=False):
+        assert state.accept(tok)
+    from fastgen.structured import grammar_bias
+    bias = grammar_bias([(0, state)], engine.model_config.vocab_size)[0]
+    assert torch.isinf(bias[banned]).all()
+    allowed = torch.isfinite(bias).nonzero().squeeze(1).tolist()
+    vocab = engine.grammars.tokenizer_info.decoded_vocab      # a copy of the whole vocabulary: read once
+    assert allowed and all(not any(c < 0x20 for c in vocab[i]) for i in allowed)
+    # without the JSON spec (a regex or grammar may want control characters) nothing extra is banned
+    plain = engine.grammars.matcher(engine.grammars.compile(spec))
+    assert plain.banned is None
