@@ -5,6 +5,8 @@ The names below load on first use (PEP 562), so that processes that only route H
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 _NAMES = {
     "client": "client", "FastgenError": "errors", "InvalidRequestError": "errors", "ModelLoadError": "errors",
@@ -27,3 +29,17 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_NAMES])
+
+
+class _Package(types.ModuleType):
+    """``fastgen.pipeline`` and ``fastgen.client`` are functions named like their modules: importing
+    the module ``fastgen.pipeline`` makes Python bind it on the package, which would hide the
+    function. The package keeps the function (the module stays in ``sys.modules``)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("pipeline", "client") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
