@@ -133,11 +133,9 @@ class QuantGemvWeight:
     the bf16 GEMV (the 4-bit unpacking is then the limit), hence ``MAX_QGEMV_ROWS = 2``.
     In bf16, 4-bit rows multiply through ``vdpbf16ps`` where the CPU has AVX512-BF16 (the
     nibbles turned into their exact bf16 values by a table lookup, four groups per 64-byte load
-    unpacked within 16-bit lanes): the same 120 products, one row, A/B in alternating processes,
-    3.38-3.49 ms against 4.17-4.28 ms with fp32 products for the first version (pairs of groups
-    widened across lanes); the four-group unpacking then took a 4096x1536 product from 164-172
-    to 138-154 us on one thread (machine loaded by other work in both; ``FASTGEN_QGEMV_BF16=0``
-    selects the fp32 products).
+    unpacked within 16-bit lanes). Measured on the same host, idle, SmolLM2's 120 layer shapes,
+    one row, three A/B pairs in alternating processes: medians 2.51 / 2.69 / 2.56 ms against
+    3.07 / 3.44 / 3.20 ms with fp32 products (0.80x); ``FASTGEN_QGEMV_BF16=0`` selects those.
     """
 
     name = "quantized+dense"

@@ -23,42 +23,45 @@ from .group import TPGroup
 from .shard import Shard
 
 
-class AllReduced:
-    """A row-parallel layer's format: this rank's partial product, summed over the ranks."""
+class _Finishing:
+    """A format that computes through ``inner`` and then finishes the product across the ranks;
+    its memory is the inner format's."""
+
+    suffix = ""
 
     def __init__(self, inner, group: TPGroup) -> None:
         self.inner, self.group = inner, group
-        self.name = f"{inner.name}+all-reduce"
+        self.name = f"{inner.name}+{self.suffix}"
+
+    @property
+    def num_bytes(self) -> int:
+        return self.inner.num_bytes
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.inner.stream_bytes
+
+
+class AllReduced(_Finishing):
+    """A row-parallel layer's format: this rank's partial product, summed over the ranks."""
+
+    suffix = "all-reduce"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.inner.matmul(x))
 
-    @property
-    def num_bytes(self) -> int:
-        return self.inner.num_bytes
 
-    @property
-    def stream_bytes(self) -> int:
-        return self.inner.stream_bytes
-
-
-class VocabGathered:
+class VocabGathered(_Finishing):
     """The output head's format: logits of this rank's vocabulary slice, gathered on rank 0."""
 
+    suffix = "vocab-gather"
+
     def __init__(self, inner, group: TPGroup, sizes: list[int]) -> None:
-        self.inner, self.group, self.sizes = inner, group, sizes
-        self.name = f"{inner.name}+vocab-gather"
+        super().__init__(inner, group)
+        self.sizes = sizes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.gather_vocab(self.inner.matmul(x), self.sizes)
-
-    @property
-    def num_bytes(self) -> int:
-        return self.inner.num_bytes
-
-    @property
-    def stream_bytes(self) -> int:
-        return self.inner.stream_bytes
 
 
 class VocabParallelEmbedding(nn.Embedding):

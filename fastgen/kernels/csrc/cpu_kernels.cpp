@@ -1074,6 +1074,17 @@ constexpr bool kHaveBf16Dot = true;
 constexpr bool kHaveBf16Dot = false;
 #endif
 
+// f(std::integral_constant<int, RN>) for RN = rn (1..4): the row kernels take RN at compile time
+template <typename F>
+inline void by_rows(int64_t rn, F&& f) {
+  switch (rn) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // FASTGEN_QGEMV_BF16=0 turns the bf16 dot path off (A/B measurements); read once
 inline bool qgemv_bf16_enabled() {
   static const bool on = [] { const char* v = std::getenv("FASTGEN_QGEMV_BF16"); return !(v && v[0] == '0'); }();
@@ -1126,24 +1137,17 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
           const uint16_t* xps[4];
           for (int64_t r = 0; r < rn; ++r) xps[r] = xp.data() + (r0 + r) * k;
           const int64_t quads = groups / 4;
-          switch (rn) {
-            case 1: qrow4_bf16_quads<1>(wr, sc, xps, quads, totals); break;
-            case 2: qrow4_bf16_quads<2>(wr, sc, xps, quads, totals); break;
-            case 3: qrow4_bf16_quads<3>(wr, sc, xps, quads, totals); break;
-            default: qrow4_bf16_quads<4>(wr, sc, xps, quads, totals); break;
-          }
-          if (groups % 4) {   // the last pair of groups, in pair layout
-            const uint16_t* tail[4];
-            float more[4] = {};
-            for (int64_t r = 0; r < rn; ++r) tail[r] = xps[r] + quads * 128;
-            switch (rn) {
-              case 1: qrow4_bf16<1>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
-              case 2: qrow4_bf16<2>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
-              case 3: qrow4_bf16<3>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
-              default: qrow4_bf16<4>(wr + quads * 64, sc + quads * 4, tail, 1, more); break;
+          by_rows(rn, [&](auto rows) {
+            constexpr int RN = decltype(rows)::value;
+            qrow4_bf16_quads<RN>(wr, sc, xps, quads, totals);
+            if (groups % 4) {   // the last pair of groups, in pair layout
+              const uint16_t* tail[4];
+              float more[4] = {};
+              for (int64_t r = 0; r < rn; ++r) tail[r] = xps[r] + quads * 128;
+              qrow4_bf16<RN>(wr + quads * 64, sc + quads * 4, tail, 1, more);
+              for (int64_t r = 0; r < rn; ++r) totals[r] += more[r];
             }
-            for (int64_t r = 0; r < rn; ++r) totals[r] += more[r];
-          }
+          });
         } else
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
