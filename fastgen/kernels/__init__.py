@@ -31,6 +31,8 @@ from ..config import cache_dir, cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+# every source of the extension (qgemm.cpp: quantized weights times many rows)
+SOURCES = (SOURCE, SOURCE.with_name("qgemm.cpp"))
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -43,7 +45,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
 def build_name() -> str:
     """Extension name: changes with the source, the flags, torch and the CPU's ISA (``-march=native``)."""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for src in SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
@@ -83,12 +86,12 @@ def _load(verbose: bool) -> bool:
         with open(build_dir / "fastgen-build.lock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
                                extra_cflags=CFLAGS,
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
         if not built:
             log.warning("native CPU kernels built in %.0f s (%s)", time.perf_counter() - t0, build_dir)
-        return hasattr(torch.ops.fastgen, "paged_attention")
+        return hasattr(torch.ops.fastgen, "paged_attention") and hasattr(torch.ops.fastgen, "qgemm")
     except Exception as e:  # no compiler, no headers, a build error: the PyTorch path still works
         log.warning("fastgen's native CPU kernels are unavailable (%s); using the PyTorch path",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)

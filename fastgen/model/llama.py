@@ -25,7 +25,7 @@ from ..errors import ModelLoadError
 from ..kernels.ops import NativeOps, Ops, TorchOps, native_supported
 from .attention import AttentionBackend, PagedAttention, SdpaAttention
 from .layers import ColumnLinear, LayerNorm, Linear, RMSNorm, RotaryEmbedding, RowLinear, default_format
-from .quant import QuantGemvWeight, QuantRows
+from .quant import QuantEmbedding, QuantRows, QuantWeight
 from .spec import Family, GgufNames, ModelConfig, MoeConfig, eos_ids, layer_windows
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -220,8 +220,9 @@ class LlamaForCausalLM(nn.Module):
             quant = layer.quant_rows() if kernels == "native" else None
 
             def make_format(weight, bias):
-                dense = default_format(weight, bias, kernels)
-                return dense if quant is None else QuantGemvWeight(quant, dense, int8_activations)
+                if quant is None:
+                    return default_format(weight, bias, kernels)
+                return QuantWeight(quant, bias, int8_activations)
             return make_format
 
         if self.lm_head is not None:
@@ -236,6 +237,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.prepare(formatter(m))
         dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        if kernels == "native" and self._embed_quant is not None:
+            # the embedding as its quantized rows (shared with a tied head): no dense copy; a
+            # tensor-parallel slice (fastgen/parallel/layers.py) holds them itself
+            quant = QuantEmbedding(self._embed_quant, dtype)
+            if hasattr(self.embed_tokens, "hold_quantized"):
+                self.embed_tokens.hold_quantized(quant)
+            elif type(self.embed_tokens) is nn.Embedding:
+                self.embed_tokens = quant
         if kernels == "native":
             if not native_supported(device, dtype):
                 raise ValueError(f"native kernels cover CPU fp32/bf16, not {device.type} {dtype}")
@@ -246,6 +255,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def kernels(self) -> str:
         return self.ops.name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of activations and the KV cache (the embedding may be held quantized)."""
+        return self.norm.weight.dtype
 
     def step(self, batch: RaggedBatch, pool: KVPool) -> Step:
         return Step(batch, pool, self.attention.plan(batch), self.ops, self.attention, tuple(self.ropes))

@@ -238,7 +238,7 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
     quantize every linear weight (and the output head) per group of 32 at load, the dense
     copy then holding the dequantized values so that every path computes the same model;
     "none" dequantizes as before. ``int8_activations``: decode rows of quantized layers take
-    int8 activations (VNNI), see fastgen.model.quant.QuantGemvWeight.
+    int8 activations (VNNI), see fastgen.model.quant.QuantWeight.
 
     ``parallel``: ``(group, shards)`` of a tensor-parallel replica (fastgen.parallel): the model
     is this rank's shard, and every tensor is cut to its part as it is read."""

@@ -6,11 +6,13 @@ the same with ``min = -8 * scale``, Q8_0 is ``w = q * scale`` with ``q`` in -127
 one layout (:class:`QuantRows`) and one kernel (``torch.ops.fastgen.qgemv``) serve the
 GGUF files as shipped and the int8 / int4 modes of HF checkpoints alike.
 
-:class:`QuantGemvWeight` is the weight format: a decode step (up to ``MAX_QGEMV_ROWS`` rows)
+:class:`QuantWeight` is the weight format: a decode step (up to ``MAX_QGEMV_ROWS`` rows)
 streams the quantized rows (4.5 to 8.5 bits a weight instead of bf16's 16; products summed
-in fp32 from the exact quantized values); more rows (prompt chunks) go through a dense
-copy in the engine dtype, as before, since on this CPU no kernel of PyTorch's multiplies
-4-bit weights by many rows faster than oneDNN's bf16 (see docs/architecture.md).
+in fp32 from the exact quantized values); more rows (prompt chunks, decode batches) go
+through ``qgemm``, which dequantizes a few output features at a time in cache. No dense
+copy is held: the model's resident weights are the rows (about 1.2x a Q4_1 file: the
+scales and minima are kept in fp32). :class:`QuantEmbedding` does the same for a tied
+embedding.
 """
 from __future__ import annotations
 
@@ -123,51 +125,73 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantRows:
     raise ValueError(f"bits must be 8 or 4, got {bits}")
 
 
-class QuantGemvWeight:
-    """Quantized rows for decode steps, a dense copy (in the engine's best dense format) for
-    prompt chunks. See the module docstring.
+class QuantWeight:
+    """The weight format of quantized rows: nothing but the rows is held.
 
-    Measured on the 2-core Zen 5 host (AVX512-BF16), SmolLM2's 120 layer weights as Q4_1,
-    one row: 3.0 ms with fp32 activations, 2.6 ms with int8 activations (VNNI), against 4.8 ms
-    for the bf16 GEMV and 6.5 ms for oneDNN-packed bf16; four rows: 7.2 ms against 5.1 ms for
-    the bf16 GEMV (the 4-bit unpacking is then the limit), hence ``MAX_QGEMV_ROWS = 2``.
-    In bf16, 4-bit rows multiply through ``vdpbf16ps`` where the CPU has AVX512-BF16 (the
-    nibbles turned into their exact bf16 values by a table lookup, four groups per 64-byte load
-    unpacked within 16-bit lanes). Measured on the same host, idle, SmolLM2's 120 layer shapes,
-    one row, three A/B pairs in alternating processes: medians 2.51 / 2.69 / 2.56 ms against
-    3.07 / 3.44 / 3.20 ms with fp32 products (0.80x); ``FASTGEN_QGEMV_BF16=0`` selects those.
+    Up to ``MAX_QGEMV_ROWS`` rows (decode steps) go through ``qgemv``, which streams the rows
+    once and sums exact products of the quantized values; more rows (prompt chunks, decode
+    batches) through ``qgemm``, which dequantizes 12 output features at a time into a buffer
+    in cache (``q * scale + min`` rounded to the engine dtype: the values the dense copy of
+    earlier versions held) and multiplies it by every row there.
+
+    Measured on the 2-core Zen 5 host (AVX512-BF16), SmolLM2's 120 layer shapes, one thread,
+    CPU time on a busy machine: qgemv against qgemm 4.2 / 16.5 ms for 1 row, 15.1 / 16.4 ms
+    for 6, 18.4 / 16.4 ms for 8, hence ``MAX_QGEMV_ROWS = 6``; qgemm against oneDNN on a bf16
+    copy 16.6 / 11.3 ms for 16 rows, 40 / 34 ms for 64, 137 / 123 ms for 256 (0.90x its rate,
+    dequantizing included); in fp32 qgemm takes 0.41-0.47x the time of ``F.linear`` on an
+    fp32 copy. In bf16, 4-bit rows multiply through ``vdpbf16ps`` in qgemv where the CPU has
+    AVX512-BF16 (the nibbles turned into their exact bf16 values by a table lookup), 0.80x
+    the time of its fp32 products; ``FASTGEN_QGEMV_BF16=0`` selects those.
     """
 
-    name = "quantized+dense"
-    MAX_QGEMV_ROWS = 2
+    name = "quantized"
+    MAX_QGEMV_ROWS = 6
 
-    def __init__(self, quant: QuantRows, dense, int8_activations: bool = False) -> None:
+    def __init__(self, quant: QuantRows, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
         self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.float().contiguous(),
                                None if quant.mins is None else quant.mins.float().contiguous())
-        self.dense = dense                   # a WeightFormat over the dequantized weight
-        self._qgemv = torch.ops.fastgen.qgemv
+        self.bias = bias
+        self._bias_f32 = None if bias is None else bias.float().contiguous()
+        self._qgemv, self._qgemm = torch.ops.fastgen.qgemv, torch.ops.fastgen.qgemm
         # int8 activations (per group of 32, VNNI dot products; off by default): 13% faster
         # decode steps, perplexity +1.3%, and decode rows then differ from prompt rows by the
         # activations' rounding, so greedy parity with the reference and seeded outputs that do
         # not depend on the batch no longer hold exactly (docs/architecture.md)
         self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni())
-        bias = getattr(dense, "bias", None)
-        self.bias = bias
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
         if x.shape[0] <= self.MAX_QGEMV_ROWS:
-            y = self._qgemv(x, self.quant.qweight, self.quant.scales, self.quant.mins, self.quant.kind,
-                            self.act_int8)
+            y = self._qgemv(x, q.qweight, q.scales, q.mins, q.kind, self.act_int8)
             return y if self.bias is None else y + self.bias
-        return self.dense.matmul(x)
+        return self._qgemm(x, q.qweight, q.scales, q.mins, q.kind, self._bias_f32)
 
     @property
     def num_bytes(self) -> int:
-        return self.quant.num_bytes + self.dense.num_bytes
+        return self.quant.num_bytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     @property
     def stream_bytes(self) -> int:
-        return self.quant.num_bytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        return self.num_bytes
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding kept as its quantized rows (a tied GGUF embedding, which is also the
+    output head's weight): the rows a step gathers are dequantized to ``dtype``, giving the
+    values a dense copy would hold, without holding it (56 MB in bf16 for SmolLM2)."""
+
+    def __init__(self, rows: QuantRows, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rows, self.dtype = rows, dtype
+        self.num_embeddings, self.embedding_dim = rows.qweight.shape[0], rows.scales.shape[1] * GROUP
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        r = self.rows
+        return torch.ops.fastgen.qembed(ids, r.qweight, r.scales, r.mins, r.kind, self.dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.rows.num_bytes
 
 
 def reference_matmul(x: torch.Tensor, quant: QuantRows) -> torch.Tensor:

@@ -71,11 +71,22 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(weight.shape[0], weight.shape[1], _weight=weight)
         self.weight.requires_grad_(False)
         self.start, self.group = start, group
+        self.quant: nn.Module | None = None
+
+    def hold_quantized(self, embedding: nn.Module) -> None:
+        """Gather from this rank's quantized rows (a QuantEmbedding, shared with the head)
+        instead of the dense slice, which is freed."""
+        if embedding.num_embeddings != self.num_embeddings:
+            raise ValueError(f"quantized rows {embedding.num_embeddings} != this rank's {self.num_embeddings}")
+        self.quant = embedding
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
+                                   requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside, 0)
+        x = self.quant(local) if self.quant is not None else F.embedding(local, self.weight)
         x.masked_fill_(outside[:, None], 0)
         return self.group.all_reduce(x)
 

@@ -22,7 +22,7 @@ def ragged_logits(model, cfg, sequences: list[list[int]], *, block_size: int, se
     num_blocks = sum(-(-len(s) // block_size) for s in sequences) + 2
     pool = KVPool(num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=block_size,
                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                  dtype=model.embed_tokens.weight.dtype, device=torch.device("cpu"))
+                  dtype=model.dtype, device=torch.device("cpu"))
     alloc = BlockAllocator(num_blocks)
     # hand out blocks in a scrambled order so that block tables are not contiguous
     alloc.allocate(1)

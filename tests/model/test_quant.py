@@ -1,4 +1,5 @@
-"""Quantized weights: GGUF blocks as shipped, the quantized GEMV, int8/int4 at load, quality pins."""
+"""Quantized weights: GGUF blocks as shipped, the quantized GEMV and GEMM, the quantized embedding,
+int8/int4 at load, resident memory and quality pins."""
 from __future__ import annotations
 
 import gguf
@@ -9,7 +10,7 @@ import torch
 from fastgen import kernels
 from fastgen.model.loader import load_hf_config, load_model
 from fastgen.model.llama import ModelConfig
-from fastgen.model.quant import QuantGemvWeight, QuantRows, from_gguf, quantize, reference_matmul
+from fastgen.model.quant import QuantEmbedding, QuantRows, QuantWeight, from_gguf, quantize, reference_matmul
 
 from .ragged import ragged_logits
 from .test_parity import TINY, _tiny_configs
@@ -51,6 +52,37 @@ def test_quantized_gemv_matches_its_dequantized_weights(dtype, bits, rows, k):
     assert (approx - want).norm() / want.norm() < 0.03
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,n", [(7, 12), (16, 40), (17, 70), (33, 36), (100, 25)])  # blocks of 16/32, panels of 12
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_quantized_gemm_matches_its_dequantized_weights(dtype, bits, rows, n, k):
+    """qgemm multiplies by the weights rounded to x's dtype (the values a dense copy held),
+    with fp32 sums: the reference is that dense product, and the bias is added once."""
+    g = torch.Generator().manual_seed(bits * 100 + rows + n)
+    q = quantize(torch.randn(n, k, generator=g), bits)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    want = x.float() @ q.dequantize().to(dtype).float().T + bias
+    got = torch.ops.fastgen.qgemm(x, q.qweight, q.scales, q.mins, q.kind, bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+    no_bias = torch.ops.fastgen.qgemm(x, q.qweight, q.scales, q.mins, q.kind)
+    torch.testing.assert_close(no_bias.float(), want - bias, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_embedding_gathers_exactly_the_dequantized_rows(dtype, bits):
+    q = quantize(torch.randn(300, 64, generator=torch.Generator().manual_seed(bits)), bits)
+    ids = torch.tensor([0, 7, 299, 7, 150])
+    got = QuantEmbedding(q, dtype)(ids)
+    assert torch.equal(got, q.dequantize().to(dtype)[ids])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        QuantEmbedding(q, dtype)(torch.tensor([300]))
+
+
 def test_quantization_error_is_bounded_by_half_a_step():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     for bits, steps in ((8, 254), (4, 15)):
@@ -73,7 +105,7 @@ def test_fused_parts_concatenate():
 def test_tiny_model_quantized_at_load_matches_transformers_with_the_same_weights(mode, tmp_path):
     """int8/int4 of an HF checkpoint: the reference is transformers with every linear weight
     (and the tied embedding) replaced by its quantized-dequantized value. Decodes take the
-    quantized GEMV, chunks the dense copy: both must give the reference's logits."""
+    quantized GEMV, chunks the quantized GEMM: both must give the reference's logits."""
     from transformers import AutoModelForCausalLM
 
     hf_config = _tiny_configs()["llama-tied-llama3-rope"]
@@ -90,35 +122,50 @@ def test_tiny_model_quantized_at_load_matches_transformers_with_the_same_weights
                 p.copy_(quantize(p, bits).dequantize())
     model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"), max_positions=256,
                        kernels="native", quantization=mode)
-    assert model.layers[0].mlp.down_proj.format.name == "quantized+dense"
-    assert model.head.format.name == "quantized+dense"
+    assert model.layers[0].mlp.down_proj.format.name == "quantized"
+    assert model.head.format.name == "quantized"
     cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (1, 9, 40)]
     with torch.no_grad():
         wants = [ref(torch.tensor([s])).logits[0] for s in sequences]
-    formats = [m.format for m in model.modules() if isinstance(getattr(m, "format", None), QuantGemvWeight)]
+    formats = [m.format for m in model.modules() if isinstance(getattr(m, "format", None), QuantWeight)]
     for f in formats:                   # exact with fp32 activations
         f.act_int8 = False
     got = ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=2)   # mostly 1-2 rows
     for logits, want in zip(got, wants):
         torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    got = ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=16)  # chunks: qgemm
+    for logits, want in zip(got, wants):
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
     for f in formats:                   # int8 activations: within their rounding
         f.act_int8 = True
     got = ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=2)
+    # every batch here has at most 6 rows, so every product of every layer takes int8
+    # activations; their ~0.5% per product compounds to 3-5% over the layers of this tiny
+    # random model (4.6% measured for int4); a wrong nibble or scale gives ~100%
     for logits, want in zip(got, wants):
-        assert (logits - want).norm() / want.norm() < 0.03
+        assert (logits - want).norm() / want.norm() < 0.08
 
 
 def test_default_gguf_keeps_its_quantized_weights(smollm2_path):
     model = load_model(smollm2_path, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=256,
                        kernels="native", quantization="auto")
     formats = {m.format.name for m in model.modules() if hasattr(m, "format") and m.format is not None}
-    assert formats == {"quantized+dense"}
+    assert formats == {"quantized"}
     assert model.head.format.quant.kind == 8               # the tied Q8_0 embedding
+    assert isinstance(model.embed_tokens, QuantEmbedding)  # gathered from the same rows: no dense copy
     assert model.layers[0].self_attn.qkv_proj.format.quant.kind == 4
     stream = sum(m.stream_bytes for m in model.modules() if hasattr(m, "stream_bytes"))
     assert stream < 0.45 * 2 * 134_515_008                  # well under the bf16 weights a decode reads
+    # issue 9's goal: the resident weights within 1.3x of the file (measured: 1.15x; the scales
+    # and minima are fp32, the file's fp16). Parameters and buffers left (norms, RoPE tables)
+    # count too; an empty loaded weight that a format replaced holds nothing.
+    import os
+
+    resident = sum(m.resident_bytes for m in model.modules() if hasattr(m, "resident_bytes")) \
+        + sum(p.numel() * p.element_size() for p in model.parameters())    # the embedding shares the head's rows
+    assert resident < 1.3 * os.path.getsize(smollm2_path), (resident, os.path.getsize(smollm2_path))
 
 
 def test_quality_of_the_default_modes_is_pinned(smollm2_path):

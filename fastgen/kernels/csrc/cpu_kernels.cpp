@@ -915,7 +915,7 @@ inline void quantize_x_pairs(const float* xr, int64_t k, int kind, int8_t* xq, f
 
 // RN rows of int8 x against one quantized W row with VNNI (vpdpbusd: u8 x s8 -> int32), a
 // pair of groups per instruction; per-group scales applied in fp32. Measured on the Zen 5
-// host, SmolLM2's layers as Q4_1, one row: see QuantGemvWeight. kind 8 makes x unsigned by
+// host, SmolLM2's layers as Q4_1, one row: see QuantWeight. kind 8 makes x unsigned by
 // +128 and subtracts 128 * sum(w).
 template <int RN>
 inline void qrow_vnni(const uint8_t* wr, const float* sc, const int8_t* const* xq, const float* const* dx,
@@ -982,7 +982,7 @@ constexpr bool kHaveVnni = false;
 // of groups (32 bytes) the nibbles widen to 16-bit lanes, a vpermw turns each into its bf16
 // value, and two vdpbf16ps multiply 64 weights by x laid out to match (bf16_x_pairs); the
 // lanes of each group then take its scale. Measured against qrow (fp32 products) on the Zen 5
-// host: see QuantGemvWeight.
+// host: see QuantWeight.
 inline void bf16_x_pairs(const at::BFloat16* xr, int64_t k, uint16_t* xp) {
   const int64_t pairs = k / 64;
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xr);

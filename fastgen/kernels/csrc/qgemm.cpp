@@ -1,0 +1,387 @@
+// y = x @ W.T for W quantized in groups of 32 along k (fastgen.model.quant.QuantRows: GGUF's
+// Q4_0 / Q4_1 / Q8_0 as shipped, fastgen's int8 / int4), for MANY rows of x: prompt chunks
+// and decode batches. (qgemv in cpu_kernels.cpp streams W once for one or two rows.)
+//
+// W is never held dequantized. Each task takes a panel of NR = 32 output features,
+// dequantizes it into a buffer of its own that stays in cache (K x 32 values: 36 KB in bf16
+// for K = 576), laid out for the micro-kernel, and multiplies it by every row of x, MR = 12
+// rows at a time, with 24 accumulators in registers:
+//   bf16 x (AVX512-BF16): panel [K/2][32] pairs of bf16, vdpbf16ps with each row's pair
+//                          broadcast (fp32 sums);
+//   fp32 x (AVX512F):     panel [K][32] fp32, FMA with each row's value broadcast.
+// The panel holds exactly the values the dense copy held before (q * scale + min, in fp32,
+// rounded to bf16 for bf16 x), so prompt rows compute what they did, without the copy: for
+// SmolLM2 as shipped, 540 MB less (the plain and oneDNN-packed bf16 copies) and a resident
+// model within 1.2x of the file. x is repacked once per call so that each micro-kernel step
+// reads its rows' values from one line. Sums in fp32; y rounded once to x's dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int NR = 12;   // output features per panel (weights broadcast one at a time)
+constexpr int MB = 32;   // rows per block of x (two zmm of sums per output feature)
+
+inline uint16_t to_bf16(float v) {   // round to nearest even, as c10::BFloat16 for finite values
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__AVX512F__)
+// 16 fp32 -> 16 bf16, round to nearest even (to_bf16 in integer ops, so that AVX512F is enough)
+inline __m256i bf16_vec(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+#endif
+
+// q * scale + min as two roundings, as QuantRows.dequantize() and gguf's dequantizer compute
+// it (a fused multiply-add would differ in the last bit now and then)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+// weight rows o0 .. o0 + nc - 1, dequantized (q * scale + min in fp32, then T's precision),
+// into w [NR][k] of T (rows nc.. zero): each output feature's weights contiguous along k
+template <typename T>
+inline void dequant_rows(const uint8_t* qw, const float* scales, const float* mins, int kind, int64_t k,
+                         int64_t o0, int nc, T* w) {
+  const int64_t groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
+  for (int c = 0; c < nc; ++c) {
+    const uint8_t* wr = qw + (o0 + c) * row_bytes;
+    const float* sc = scales + (o0 + c) * groups;
+    const float* mn = mins != nullptr ? mins + (o0 + c) * groups : nullptr;
+    T* out = w + static_cast<int64_t>(c) * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = sc[g], m = mn != nullptr ? mn[g] : 0.f;
+      T* o = out + g * 32;
+#if defined(__AVX512F__)
+      // 32 weights as two vectors of 16 (the scalar loop below ran at ~2 cycles a weight)
+      __m512 lo, hi;
+      if (kind == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)));
+        lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      } else {
+        const __m128i* src = reinterpret_cast<const __m128i*>(wr + g * 32);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+      }
+      const __m512 sv = _mm512_set1_ps(s), mv = _mm512_set1_ps(m);
+      lo = _mm512_add_ps(_mm512_mul_ps(lo, sv), mv);
+      hi = _mm512_add_ps(_mm512_mul_ps(hi, sv), mv);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(o, lo);
+        _mm512_storeu_ps(o + 16, hi);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), bf16_vec(lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), bf16_vec(hi));
+      }
+#else
+      float v[32];
+      for (int i = 0; i < 16; ++i) {
+        if (kind == 4) {
+          v[i] = static_cast<float>(wr[g * 16 + i] & 0xF) * s + m;
+          v[i + 16] = static_cast<float>(wr[g * 16 + i] >> 4) * s + m;
+        } else {
+          v[i] = static_cast<float>(static_cast<int8_t>(wr[g * 32 + i])) * s;
+          v[i + 16] = static_cast<float>(static_cast<int8_t>(wr[g * 32 + 16 + i])) * s;
+        }
+      }
+      for (int i = 0; i < 32; ++i) {
+        if constexpr (std::is_same_v<T, float>) o[i] = v[i];
+        else reinterpret_cast<uint16_t*>(o)[i] = to_bf16(v[i]);
+      }
+#endif
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+template <typename T>
+inline void dequant_panel(const uint8_t* qw, const float* scales, const float* mins, int kind, int64_t k,
+                          int64_t o0, int nc, T* w) {
+  dequant_rows<T>(qw, scales, mins, kind, k, o0, nc, w);
+  if (nc < NR) std::memset(static_cast<void*>(w + static_cast<int64_t>(nc) * k), 0, sizeof(T) * (NR - nc) * k);
+}
+
+// rows r0 .. r0 + MB - 1 of x [m, k] (rows past m zero) into a [k/2][MB] pairs of bf16 (bf16)
+// or [k][MB] fp32: each micro-kernel step loads its rows' values as two vectors
+template <typename T>
+inline void pack_x(const T* x, int64_t m, int64_t k, int64_t r0, T* a) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < k; ++j)
+      for (int r = 0; r < MB; ++r) a[j * MB + r] = r0 + r < m ? x[(r0 + r) * k + j] : 0.f;
+  } else {
+    const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
+    uint32_t* as = reinterpret_cast<uint32_t*>(a);
+    for (int r = 0; r < MB; ++r) {
+      if (r0 + r < m)
+        for (int64_t j = 0; j < k / 2; ++j) as[j * MB + r] = xs[((r0 + r) * k) / 2 + j];
+      else
+        for (int64_t j = 0; j < k / 2; ++j) as[j * MB + r] = 0u;
+    }
+  }
+}
+
+// acc [NR][MB] fp32 (lane = row) -> y rows r0.. (up to m), columns o0 .. o0 + nc - 1
+template <typename T>
+inline void store_block_scalar(const float* acc, int64_t m, int nc, T* y, int64_t n, int64_t r0, int64_t o0,
+                               const float* bias) {
+  const int rows = static_cast<int>(std::min<int64_t>(MB, m - r0));
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < nc; ++c) {
+      const float v = acc[c * MB + r] + (bias != nullptr ? bias[o0 + c] : 0.f);
+      if constexpr (std::is_same_v<T, float>) y[(r0 + r) * n + o0 + c] = v;
+      else reinterpret_cast<uint16_t*>(y)[(r0 + r) * n + o0 + c] = to_bf16(v);
+    }
+}
+
+#if defined(__AVX512F__)
+// v[0..15] (16 x 16 fp32) transposed in registers
+inline void transpose16(__m512* v) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const __m512d a = _mm512_castps_pd(t[4 * i + j]), b = _mm512_castps_pd(t[4 * i + j + 2]);
+      v[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      v[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  // v now holds, per 128-bit lane L of register 4i + q, rows 4i..4i+3 of column 4L + q
+  for (int i = 0; i < 2; ++i)
+    for (int q = 0; q < 4; ++q) {
+      t[8 * i + q] = _mm512_shuffle_f32x4(v[8 * i + q], v[8 * i + 4 + q], 0x88);      // lanes 0, 2 | 0, 2
+      t[8 * i + 4 + q] = _mm512_shuffle_f32x4(v[8 * i + q], v[8 * i + 4 + q], 0xDD);  // lanes 1, 3 | 1, 3
+    }
+  for (int q = 0; q < 4; ++q) {
+    v[q] = _mm512_shuffle_f32x4(t[q], t[8 + q], 0x88);
+    v[8 + q] = _mm512_shuffle_f32x4(t[q], t[8 + q], 0xDD);
+    v[4 + q] = _mm512_shuffle_f32x4(t[4 + q], t[12 + q], 0x88);
+    v[12 + q] = _mm512_shuffle_f32x4(t[4 + q], t[12 + q], 0xDD);
+  }
+}
+#endif
+
+template <typename T>
+inline void store_block(const float* acc, int64_t m, int nc, T* y, int64_t n, int64_t r0, int64_t o0,
+                        const float* bias) {
+#if defined(__AVX512F__)
+  const int rows = static_cast<int>(std::min<int64_t>(MB, m - r0));
+  const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
+  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
+  for (int h = 0; h * 16 < rows; ++h) {
+    __m512 v[16];
+    for (int c = 0; c < 16; ++c) v[c] = c < NR ? _mm512_load_ps(acc + c * MB + 16 * h) : _mm512_setzero_ps();
+    transpose16(v);   // v[i]: row 16 h + i, lane c = output feature o0 + c
+    for (int i = 0; i < 16 && 16 * h + i < rows; ++i) {
+      const __m512 out = _mm512_add_ps(v[i], bv);
+      const int64_t at = (r0 + 16 * h + i) * n + o0;
+      if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(y + at, cols, out);
+      else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + at, cols, bf16_vec(out));
+    }
+  }
+#else
+  store_block_scalar<T>(acc, m, nc, y, n, r0, o0, bias);
+#endif
+}
+
+#if defined(__AVX512F__)
+// one block of MB rows x one panel: H halves of 16 rows (H = 1 when at most 16 rows are
+// left), NR output features, 2 * NR (or NR) accumulators in registers; fp32
+template <int H>
+inline void micro_f32(const float* a, const float* w, int64_t k, float* out) {
+  // two named arrays, not acc[NR][H]: with H = 1 GCC kept that one in memory (a store per FMA)
+  __m512 acc0[NR], acc1[NR];
+  for (int c = 0; c < NR; ++c) acc0[c] = _mm512_setzero_ps(), acc1[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; ++j) {
+    const __m512 x0 = _mm512_load_ps(a + j * MB);
+    const __m512 x1 = H == 2 ? _mm512_load_ps(a + j * MB + 16) : x0;
+    for (int c = 0; c < NR; ++c) {
+      const __m512 wv = _mm512_set1_ps(w[c * k + j]);
+      acc0[c] = _mm512_fmadd_ps(x0, wv, acc0[c]);
+      if (H == 2) acc1[c] = _mm512_fmadd_ps(x1, wv, acc1[c]);
+    }
+  }
+  for (int c = 0; c < NR; ++c) {
+    _mm512_storeu_ps(out + c * MB, acc0[c]);
+    if (H == 2) _mm512_storeu_ps(out + c * MB + 16, acc1[c]);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// the same for bf16: per step a pair of k, vdpbf16ps (products of bf16 pairs summed in fp32)
+template <int H>
+inline void micro_bf16(const at::BFloat16* a, const at::BFloat16* w, int64_t k, float* out) {
+  const uint32_t* as = reinterpret_cast<const uint32_t*>(a);
+  const uint32_t* ws = reinterpret_cast<const uint32_t*>(w);
+  const int64_t kp = k / 2;
+  __m512 acc0[NR], acc1[NR];
+  for (int c = 0; c < NR; ++c) acc0[c] = _mm512_setzero_ps(), acc1[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kp; ++j) {
+    const __m512bh x0 = (__m512bh)_mm512_load_si512(as + j * MB);
+    const __m512bh x1 = H == 2 ? (__m512bh)_mm512_load_si512(as + j * MB + 16) : x0;
+    for (int c = 0; c < NR; ++c) {
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(ws[c * kp + j]));
+      acc0[c] = _mm512_dpbf16_ps(acc0[c], x0, wv);
+      if (H == 2) acc1[c] = _mm512_dpbf16_ps(acc1[c], x1, wv);
+    }
+  }
+  for (int c = 0; c < NR; ++c) {
+    _mm512_storeu_ps(out + c * MB, acc0[c]);
+    if (H == 2) _mm512_storeu_ps(out + c * MB + 16, acc1[c]);
+  }
+}
+#else
+#endif
+
+// plain loops (no AVX512; bf16 without AVX512-BF16): correct, not fast
+template <typename T>
+inline void micro_generic(const T* a, const T* w, int64_t k, float* out) {
+  for (int c = 0; c < NR; ++c)
+    for (int r = 0; r < MB; ++r) {
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j) {
+        // a is [k][MB] (fp32) or [k/2][MB] pairs (bf16)
+        const T av = std::is_same_v<T, float> ? a[j * MB + r] : a[(j / 2) * MB * 2 + r * 2 + (j % 2)];
+        s += static_cast<float>(av) * static_cast<float>(w[c * k + j]);
+      }
+      out[c * MB + r] = s;
+    }
+}
+
+template <typename T>
+void qgemm_impl(const T* x, const uint8_t* qw, const float* scales, const float* mins, const float* bias, T* y,
+                int64_t m, int64_t n, int64_t k, int kind) {
+  const int64_t blocks = (m + MB - 1) / MB, panels = (n + NR - 1) / NR;
+  // x repacked once (64-byte aligned: the micro-kernels' vector loads)
+  std::vector<T> xa_store(static_cast<size_t>(blocks) * MB * k + 64);
+  T* xa = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(xa_store.data()) + 63) & ~uintptr_t(63));
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) pack_x<T>(x, m, k, b * MB, xa + b * MB * k);
+  });
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<T> w(static_cast<size_t>(NR) * k);
+    alignas(64) float acc[NR * MB];
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      const int64_t o0 = pi * NR;
+      const int nc = static_cast<int>(std::min<int64_t>(NR, n - o0));
+      dequant_panel<T>(qw, scales, mins, kind, k, o0, nc, w.data());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const T* a = xa + b * MB * k;
+        const bool half = m - b * MB <= 16;
+        bool done = false;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+          if (half) micro_bf16<1>(a, w.data(), k, acc);
+          else micro_bf16<2>(a, w.data(), k, acc);
+          done = true;
+#endif
+        } else {
+#if defined(__AVX512F__)
+          if (half) micro_f32<1>(a, w.data(), k, acc);
+          else micro_f32<2>(a, w.data(), k, acc);
+          done = true;
+#endif
+        }
+        if (!done) micro_generic<T>(a, w.data(), k, acc);
+        store_block<T>(acc, m, nc, y, n, b * MB, o0, bias);
+      }
+    }
+  });
+}
+
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& mins, int64_t kind, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kind == 4 || kind == 8, "qgemm: kind must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              "qgemm: x [m, k], qw [n, k/2 or k] uint8");
+  const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
+  TORCH_CHECK(k % 32 == 0 && qw.size(1) == (kind == 4 ? k / 2 : k), "qgemm: k must be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * (k / 32),
+              "qgemm: scales [n, k/32] fp32");
+  const float* mp = nullptr;
+  if (mins.has_value() && mins->defined()) {
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == n * (k / 32),
+                "qgemm: mins [n, k/32] fp32");
+    mp = mins->data_ptr<float>();
+  }
+  TORCH_CHECK(kind == 8 || mp != nullptr, "qgemm: 4-bit rows need their mins");
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bf.numel() == n, "qgemm: bias [n]");
+  }
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, xc.options());
+  if (m == 0) return y;
+  AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemm",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        qgemm_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp, bp,
+                          y.data_ptr<float>(), m, n, k, static_cast<int>(kind)); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        qgemm_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                 mp, bp, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind)); }));
+  return y;
+}
+
+// rows ids of a quantized embedding [vocab, k], dequantized into [len(ids), k] of dtype's type:
+// the values the dense embedding held (q * scale + min, rounded to dtype), without holding it
+at::Tensor qembed(const at::Tensor& ids, const at::Tensor& qw, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& mins, int64_t kind, at::ScalarType dtype) {
+  TORCH_CHECK(kind == 4 || kind == 8, "qembed: kind must be 4 or 8");
+  TORCH_CHECK(ids.dim() == 1 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              "qembed: ids [t], qw [vocab, k/2 or k] uint8");
+  const int64_t vocab = qw.size(0), k = qw.size(1) * (kind == 4 ? 2 : 1), t = ids.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == vocab * (k / 32),
+              "qembed: scales [vocab, k/32] fp32");
+  const float* mp = nullptr;
+  if (mins.has_value() && mins->defined()) mp = mins->data_ptr<float>();
+  TORCH_CHECK(kind == 8 || mp != nullptr, "qembed: 4-bit rows need their mins");
+  at::Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < vocab, "qembed: token id ", ip[i], " outside the vocabulary of ", vocab);
+  at::Tensor out = at::empty({t, k}, qw.options().dtype(dtype));
+  AT_DISPATCH_SWITCH(dtype, "qembed",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        for (int64_t i = 0; i < t; ++i)
+          dequant_rows<float>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp, static_cast<int>(kind), k,
+                              ip[i], 1, out.data_ptr<float>() + i * k); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        for (int64_t i = 0; i < t; ++i)
+          dequant_rows<at::BFloat16>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp, static_cast<int>(kind),
+                                     k, ip[i], 1, out.data_ptr<at::BFloat16>() + i * k); }));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastgen, m) {
+  m.def("qgemm(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, Tensor? bias=None) -> Tensor");
+  m.def("qembed(Tensor ids, Tensor qw, Tensor scales, Tensor? mins, int kind, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
+  m.impl("qgemm", &qgemm);
+  m.impl("qembed", &qembed);
+}
