@@ -2,18 +2,21 @@
 // Q4_0 / Q4_1 / Q8_0 as shipped, fastgen's int8 / int4), for MANY rows of x: prompt chunks
 // and decode batches. (qgemv in cpu_kernels.cpp streams W once for one or two rows.)
 //
-// W is never held dequantized. Each task takes a panel of NR = 32 output features,
-// dequantizes it into a buffer of its own that stays in cache (K x 32 values: 36 KB in bf16
-// for K = 576), laid out for the micro-kernel, and multiplies it by every row of x, MR = 12
-// rows at a time, with 24 accumulators in registers:
-//   bf16 x (AVX512-BF16): panel [K/2][32] pairs of bf16, vdpbf16ps with each row's pair
-//                          broadcast (fp32 sums);
-//   fp32 x (AVX512F):     panel [K][32] fp32, FMA with each row's value broadcast.
-// The panel holds exactly the values the dense copy held before (q * scale + min, in fp32,
-// rounded to bf16 for bf16 x), so prompt rows compute what they did, without the copy: for
-// SmolLM2 as shipped, 540 MB less (the plain and oneDNN-packed bf16 copies) and a resident
-// model within 1.2x of the file. x is repacked once per call so that each micro-kernel step
-// reads its rows' values from one line. Sums in fp32; y rounded once to x's dtype.
+// W is never held dequantized. Each task takes a panel of NR = 12 output features,
+// dequantizes it into a buffer of its own that stays in cache (12 x K values, each feature's
+// contiguous: 14 KB in bf16 for K = 576) and multiplies it by every block of 32 rows of x,
+// which was repacked once so that each step loads the block's values of one k (fp32) or one
+// pair of k (bf16) as two vectors; the panel's weights are broadcast one at a time against
+// them, 24 accumulators in registers (lane = row; transposed in registers when stored):
+//   bf16 x (AVX512-BF16): vdpbf16ps (products of bf16 pairs, fp32 sums);
+//   fp32 x (AVX512F):     FMA.
+// The panel holds exactly the values the dense copy of earlier versions held (q * scale +
+// min in fp32, rounded to bf16 for bf16 x), so prompt rows compute what they did, without the
+// copy: for SmolLM2 as shipped, 540 MB less (its plain and oneDNN-packed bf16 copies), a
+// resident model of 1.13x the file. Sums in fp32; y rounded once to x's dtype.
+// Measured (Zen 5, one thread, SmolLM2's layer shapes): 12 features x 32 rows beat 8 x 48,
+// 6 x 64 and 16 x 16 at 16-512 rows; 0.87-0.9x the rate of oneDNN on a packed bf16 copy for
+// 64-512 rows, dequantizing included (fastgen.model.quant.QuantWeight).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,8 +33,15 @@
 
 namespace {
 
-constexpr int NR = 12;   // output features per panel (weights broadcast one at a time)
-constexpr int MB = 32;   // rows per block of x (two zmm of sums per output feature)
+#ifndef QGEMM_NR
+#define QGEMM_NR 12
+#endif
+#ifndef QGEMM_HM
+#define QGEMM_HM 2
+#endif
+constexpr int NR = QGEMM_NR;        // output features per panel (weights broadcast one at a time)
+constexpr int HM = QGEMM_HM;        // vectors of 16 rows per block of x
+constexpr int MB = 16 * HM;         // rows per block of x
 
 inline uint16_t to_bf16(float v) {   // round to nearest even, as c10::BFloat16 for finite values
   uint32_t u;
@@ -187,6 +197,7 @@ inline void store_block(const float* acc, int64_t m, int nc, T* y, int64_t n, in
   const int rows = static_cast<int>(std::min<int64_t>(MB, m - r0));
   const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
   const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
+  static_assert(NR <= 16, "store_block transposes 16 output features at most");
   for (int h = 0; h * 16 < rows; ++h) {
     __m512 v[16];
     for (int c = 0; c < 16; ++c) v[c] = c < NR ? _mm512_load_ps(acc + c * MB + 16 * h) : _mm512_setzero_ps();
@@ -208,21 +219,27 @@ inline void store_block(const float* acc, int64_t m, int nc, T* y, int64_t n, in
 // left), NR output features, 2 * NR (or NR) accumulators in registers; fp32
 template <int H>
 inline void micro_f32(const float* a, const float* w, int64_t k, float* out) {
-  // two named arrays, not acc[NR][H]: with H = 1 GCC kept that one in memory (a store per FMA)
-  __m512 acc0[NR], acc1[NR];
-  for (int c = 0; c < NR; ++c) acc0[c] = _mm512_setzero_ps(), acc1[c] = _mm512_setzero_ps();
+  __m512 acc0[NR], acc1[NR], acc2[NR], acc3[NR];
+  for (int c = 0; c < NR; ++c)
+    acc0[c] = _mm512_setzero_ps(), acc1[c] = acc0[c], acc2[c] = acc0[c], acc3[c] = acc0[c];
   for (int64_t j = 0; j < k; ++j) {
     const __m512 x0 = _mm512_load_ps(a + j * MB);
-    const __m512 x1 = H == 2 ? _mm512_load_ps(a + j * MB + 16) : x0;
+    const __m512 x1 = H > 1 ? _mm512_load_ps(a + j * MB + 16) : x0;
+    const __m512 x2 = H > 2 ? _mm512_load_ps(a + j * MB + 32) : x0;
+    const __m512 x3 = H > 3 ? _mm512_load_ps(a + j * MB + 48) : x0;
     for (int c = 0; c < NR; ++c) {
       const __m512 wv = _mm512_set1_ps(w[c * k + j]);
       acc0[c] = _mm512_fmadd_ps(x0, wv, acc0[c]);
-      if (H == 2) acc1[c] = _mm512_fmadd_ps(x1, wv, acc1[c]);
+      if (H > 1) acc1[c] = _mm512_fmadd_ps(x1, wv, acc1[c]);
+      if (H > 2) acc2[c] = _mm512_fmadd_ps(x2, wv, acc2[c]);
+      if (H > 3) acc3[c] = _mm512_fmadd_ps(x3, wv, acc3[c]);
     }
   }
   for (int c = 0; c < NR; ++c) {
     _mm512_storeu_ps(out + c * MB, acc0[c]);
-    if (H == 2) _mm512_storeu_ps(out + c * MB + 16, acc1[c]);
+    if (H > 1) _mm512_storeu_ps(out + c * MB + 16, acc1[c]);
+    if (H > 2) _mm512_storeu_ps(out + c * MB + 32, acc2[c]);
+    if (H > 3) _mm512_storeu_ps(out + c * MB + 48, acc3[c]);
   }
 }
 #endif
@@ -234,24 +251,41 @@ inline void micro_bf16(const at::BFloat16* a, const at::BFloat16* w, int64_t k, 
   const uint32_t* as = reinterpret_cast<const uint32_t*>(a);
   const uint32_t* ws = reinterpret_cast<const uint32_t*>(w);
   const int64_t kp = k / 2;
-  __m512 acc0[NR], acc1[NR];
-  for (int c = 0; c < NR; ++c) acc0[c] = _mm512_setzero_ps(), acc1[c] = _mm512_setzero_ps();
+  // named arrays, not acc[NR][H]: with H = 1 GCC kept that one in memory (a store per FMA)
+  __m512 acc0[NR], acc1[NR], acc2[NR], acc3[NR];
+  for (int c = 0; c < NR; ++c)
+    acc0[c] = _mm512_setzero_ps(), acc1[c] = acc0[c], acc2[c] = acc0[c], acc3[c] = acc0[c];
   for (int64_t j = 0; j < kp; ++j) {
     const __m512bh x0 = (__m512bh)_mm512_load_si512(as + j * MB);
-    const __m512bh x1 = H == 2 ? (__m512bh)_mm512_load_si512(as + j * MB + 16) : x0;
+    const __m512bh x1 = H > 1 ? (__m512bh)_mm512_load_si512(as + j * MB + 16) : x0;
+    const __m512bh x2 = H > 2 ? (__m512bh)_mm512_load_si512(as + j * MB + 32) : x0;
+    const __m512bh x3 = H > 3 ? (__m512bh)_mm512_load_si512(as + j * MB + 48) : x0;
     for (int c = 0; c < NR; ++c) {
       const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(ws[c * kp + j]));
       acc0[c] = _mm512_dpbf16_ps(acc0[c], x0, wv);
-      if (H == 2) acc1[c] = _mm512_dpbf16_ps(acc1[c], x1, wv);
+      if (H > 1) acc1[c] = _mm512_dpbf16_ps(acc1[c], x1, wv);
+      if (H > 2) acc2[c] = _mm512_dpbf16_ps(acc2[c], x2, wv);
+      if (H > 3) acc3[c] = _mm512_dpbf16_ps(acc3[c], x3, wv);
     }
   }
   for (int c = 0; c < NR; ++c) {
     _mm512_storeu_ps(out + c * MB, acc0[c]);
-    if (H == 2) _mm512_storeu_ps(out + c * MB + 16, acc1[c]);
+    if (H > 1) _mm512_storeu_ps(out + c * MB + 16, acc1[c]);
+    if (H > 2) _mm512_storeu_ps(out + c * MB + 32, acc2[c]);
+    if (H > 3) _mm512_storeu_ps(out + c * MB + 48, acc3[c]);
   }
 }
 #else
 #endif
+
+// f(std::integral_constant<int, H>) for H = h in 1..HM (the micro-kernels take H at compile time)
+template <typename F>
+inline void by_h(int h, F&& f) {
+  if (h <= 1 || HM == 1) f(std::integral_constant<int, 1>{});
+  else if (h == 2 || HM == 2) f(std::integral_constant<int, (HM >= 2 ? 2 : 1)>{});
+  else if (h == 3 || HM == 3) f(std::integral_constant<int, (HM >= 3 ? 3 : 1)>{});
+  else f(std::integral_constant<int, (HM >= 4 ? 4 : 1)>{});
+}
 
 // plain loops (no AVX512; bf16 without AVX512-BF16): correct, not fast
 template <typename T>
@@ -287,18 +321,17 @@ void qgemm_impl(const T* x, const uint8_t* qw, const float* scales, const float*
       dequant_panel<T>(qw, scales, mins, kind, k, o0, nc, w.data());
       for (int64_t b = 0; b < blocks; ++b) {
         const T* a = xa + b * MB * k;
-        const bool half = m - b * MB <= 16;
+        // vectors of 16 rows this block needs (fewer than HM only in the last block)
+        const int h = static_cast<int>(std::min<int64_t>(HM, (m - b * MB + 15) / 16));
         bool done = false;
         if constexpr (std::is_same_v<T, at::BFloat16>) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-          if (half) micro_bf16<1>(a, w.data(), k, acc);
-          else micro_bf16<2>(a, w.data(), k, acc);
+          by_h(h, [&](auto hh) { micro_bf16<decltype(hh)::value>(a, w.data(), k, acc); });
           done = true;
 #endif
         } else {
 #if defined(__AVX512F__)
-          if (half) micro_f32<1>(a, w.data(), k, acc);
-          else micro_f32<2>(a, w.data(), k, acc);
+          by_h(h, [&](auto hh) { micro_f32<decltype(hh)::value>(a, w.data(), k, acc); });
           done = true;
 #endif
         }
