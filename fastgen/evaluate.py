@@ -89,6 +89,7 @@ def agreement(got: list[tuple[int, ...]], want: list[tuple[int, ...]]) -> tuple[
 
 def evaluate(model: str | None, modes: tuple[str, ...], num_tokens: int, max_new_tokens: int,
              window: int = 256, **engine_options) -> list[Quality]:
+    from .parallel.replica import weight_bytes
     from .pipeline import pipeline
 
     results = []
@@ -104,7 +105,7 @@ def evaluate(model: str | None, modes: tuple[str, ...], num_tokens: int, max_new
         toks = greedy_tokens(pipe, max_new_tokens)
         if reference is None:
             reference = toks
-        resident = sum(m.resident_bytes for m in engine.model.modules() if hasattr(m, "resident_bytes"))
+        resident = weight_bytes(engine.model)      # every weight once: linear formats, embedding, norms
         if mode in modes or mode == "float32:none":
             results.append(Quality(mode, ppl, num_tokens, agreement(toks, reference), max_new_tokens, resident,
                                    time.perf_counter() - t0))
@@ -115,7 +116,7 @@ def evaluate(model: str | None, modes: tuple[str, ...], num_tokens: int, max_new
 def format_table(results: list[Quality]) -> str:
     ref = results[0].perplexity
     lines = ["| mode (dtype:quantization) | perplexity | vs fp32 reference | greedy tokens equal to the reference "
-             "(per prompt) | linear weights resident |",
+             "(per prompt) | weights resident |",
              "|---|---|---|---|---|"]
     for r in results:
         agree = ", ".join(str(a) for a in r.agreement)
