@@ -124,9 +124,11 @@ def _gguf_moe(header: GgufHeader) -> dict[str, Any]:
 
     num_layers = header.key(Keys.LLM.BLOCK_COUNT)
     experts = header.key(Keys.LLM.EXPERT_COUNT)
-    expert_size = header.key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, None) or rows(header, "blk.0.ffn_up_exps.weight")
+    # older files state no expert size: an expert's rows (3-D, or the first one of the per-expert layout)
+    expert_size = (header.key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, None) or rows(header, "blk.0.ffn_up_exps.weight")
+                   or rows(header, "blk.0.ffn_up.0.weight"))
     if expert_size is None:
-        raise KeyError(f"the GGUF file has neither {Keys.LLM.EXPERT_FEED_FORWARD_LENGTH!r} nor blk.0.ffn_up_exps")
+        raise KeyError(f"the GGUF file has neither {Keys.LLM.EXPERT_FEED_FORWARD_LENGTH!r} nor expert tensors")
     return dict(base_config(header), num_experts=experts, num_experts_per_tok=header.key(Keys.LLM.EXPERT_USED_COUNT),
                 moe_intermediate_size=expert_size,
                 intermediate_size=header.key(Keys.LLM.FEED_FORWARD_LENGTH, None) or expert_size,
