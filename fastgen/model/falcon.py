@@ -10,7 +10,15 @@ The variants, as transformers' FalconDecoderLayer defines them:
 The fused ``query_key_value`` rows are reordered at load into the shared layout (all q heads,
 then k, then v): the new architecture interleaves them per KV group (``[g q heads, k, v]``
 per group), multi-head Falcon per head (``[q, k, v]`` per head). ALiBi checkpoints (Falcon-RW)
-are rejected. No GGUF layout (load from a Hugging Face folder).
+are rejected.
+
+GGUF (llama.cpp's ``falcon``): llama.cpp's converter already reordered ``attn_qkv`` to all q
+heads, then k, then v (cut into its parts at load, no reordering); ``attn_norm`` is the MLP's
+LayerNorm (``ln_mlp``, or the one shared norm) and ``attn_norm_2``, where present (40B/180B),
+the attention's (``ln_attn``); no Q/K permutation (half-split RoPE). The variant follows from
+the file: two norms or several KV heads = the new architecture, else multi-query, both in
+parallel. transformers' GGUF mapping for ``falcon`` drops the KV heads and the LayerNorm eps,
+so the config is built here (:func:`falcon_gguf_config`).
 """
 from __future__ import annotations
 
@@ -21,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from .gguf_file import GgufHeader, base_config, default_rope
 from .layers import ColumnLinear, LayerNorm, RowLinear
 from .llama import Attention, LayerNormCausalLM, Step
-from .spec import Family, ModelConfig, eos_ids
+from .spec import QKV, Family, GgufNames, ModelConfig, eos_ids
 
 
 def num_kv_heads(hf: Any) -> int:
@@ -111,7 +120,33 @@ class FalconForCausalLM(LayerNormCausalLM):
             name = name.replace(old, new)
         if ".self_attn.qkv_proj." in name:
             tensor = tensor[self._qkv_rows()]
+        if ".ln_mlp." in name and not self._two_norms:   # GGUF's attn_norm of a one-norm layer
+            name = name.replace(".ln_mlp.", ".input_layernorm.")
         return name, tensor
 
+    @property
+    def _two_norms(self) -> bool:
+        return hasattr(self.layers[0], "ln_mlp") and self.layers[0].ln_mlp is not self.layers[0].ln_attn
 
-FALCON = Family(FalconForCausalLM, falcon_config)
+
+def falcon_gguf_config(header: GgufHeader) -> Any:
+    from gguf import Keys
+    from transformers import FalconConfig
+
+    c = base_config(header)
+    kv_heads, two_norms = c.pop("num_key_value_heads"), header.has("blk.0.attn_norm_2.weight")
+    new_arch = two_norms or kv_heads > 1
+    return FalconConfig(**c, num_kv_heads=kv_heads, new_decoder_architecture=new_arch, multi_query=not new_arch,
+                        parallel_attn=True, num_ln_in_parallel_attn=2 if two_norms else 1,
+                        ffn_hidden_size=header.key(Keys.LLM.FEED_FORWARD_LENGTH),
+                        layer_norm_epsilon=header.key(Keys.Attention.LAYERNORM_EPS),
+                        bias=header.has("blk.0.attn_qkv.bias"), alibi=False, activation="gelu",
+                        rope_parameters=default_rope(header))
+
+
+_LAYER_GGUF = {"attn_norm": "ln_mlp", "attn_norm_2": "ln_attn", "attn_qkv": QKV,
+               "attn_output": "self_attn.o_proj", "ffn_up": "fc1", "ffn_down": "fc2"}
+_TOP_GGUF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+FALCON = Family(FalconForCausalLM, falcon_config,
+                GgufNames("falcon", _LAYER_GGUF, _TOP_GGUF, config=falcon_gguf_config))

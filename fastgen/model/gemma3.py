@@ -81,5 +81,5 @@ _LAYER_GGUF = {
 }
 
 GEMMA3 = Family(Gemma3ForCausalLM, gemma3_config,
-                GgufNames(_LAYER_GGUF, {"token_embd": "model.embed_tokens", "output_norm": "model.norm"},
+                GgufNames("gemma3", _LAYER_GGUF, {"token_embd": "model.embed_tokens", "output_norm": "model.norm"},
                           norm_shift=-1.0))

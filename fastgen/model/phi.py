@@ -7,7 +7,13 @@ transformers rotates the pairs (i, i + R/2) of the first R dims and passes the r
 The q and k rows of each head are reordered at load so that its rotary pairs land on the ops'
 pairs and the pass-through dims on pairs whose frequency is 0 (cos 1, sin 0). Attention scores
 are dot products of q and k, which one permutation of both leaves unchanged; v is not touched.
-No GGUF layout (load from a Hugging Face folder).
+
+GGUF (llama.cpp's ``phi2``): ``attn_qkv`` (all q heads, then k, then v, with its bias; files
+converted from the new HF layout have ``attn_q``/``attn_k``/``attn_v``), ``attn_norm`` a
+LayerNorm, ``ffn_up``/``ffn_down`` = ``fc1``/``fc2``, ``output`` with a bias; the rotary width
+is ``{arch}.rope.dimension_count``. llama.cpp rotates the half-split layout, as HF does: no
+Q/K permutation beyond the one above (applied to quantized rows too). transformers has no
+``phi2`` GGUF config mapping, so the config is built here (:func:`phi_gguf_config`).
 """
 from __future__ import annotations
 
@@ -18,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from .gguf_file import GgufHeader, base_config, default_rope
 from .layers import ColumnLinear, LayerNorm, RowLinear
 from .llama import Attention, LayerNormCausalLM, Step
-from .spec import Family, ModelConfig, eos_ids, layer_windows
+from .spec import QKV, Family, GgufNames, ModelConfig, eos_ids, layer_windows
 
 
 def phi_config(hf: Any) -> ModelConfig:
@@ -97,5 +104,32 @@ class PhiForCausalLM(LayerNormCausalLM):
             tensor = rows[:, self.perm].reshape(tensor.shape)
         return name, tensor
 
+    def checkpoint_quant(self, name: str, quant):
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+            d = self.config.head_dim
+            heads = quant.qweight.shape[0] // d
+            quant = quant.select((torch.arange(heads)[:, None] * d + self.perm).flatten())
+        return name, quant
 
-PHI = Family(PhiForCausalLM, phi_config)
+
+def phi_gguf_config(header: GgufHeader) -> Any:
+    from gguf import Keys
+    from transformers import PhiConfig
+
+    c = base_config(header)
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    rotary = header.key(Keys.Rope.DIMENSION_COUNT, head_dim)
+    return PhiConfig(**c, intermediate_size=header.key(Keys.LLM.FEED_FORWARD_LENGTH),
+                     layer_norm_eps=header.key(Keys.Attention.LAYERNORM_EPS),
+                     rope_parameters=default_rope(header, rotary / head_dim), hidden_act="gelu_new",
+                     qk_layernorm=False)
+
+
+_LAYER_GGUF = {
+    "attn_norm": "input_layernorm", "attn_qkv": QKV,
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_up": "fc1", "ffn_down": "fc2",
+}
+_TOP_GGUF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+PHI = Family(PhiForCausalLM, phi_config, GgufNames("phi2", _LAYER_GGUF, _TOP_GGUF, config=phi_gguf_config))

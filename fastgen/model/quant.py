@@ -60,6 +60,11 @@ class QuantRows:
         return QuantRows(self.kind, self.qweight[start:stop], self.scales[start:stop],
                          None if self.mins is None else self.mins[start:stop])
 
+    def select(self, index: torch.Tensor) -> "QuantRows":
+        """The output rows ``index``, in that order (a reordering of a layer's rows)."""
+        return QuantRows(self.kind, self.qweight[index], self.scales[index],
+                         None if self.mins is None else self.mins[index])
+
     def columns(self, start: int, stop: int) -> "QuantRows":
         """Input features ``start:stop``, whole groups of 32 only (a row-parallel rank's share)."""
         if start % GROUP or stop % GROUP:

@@ -8,4 +8,4 @@ from .llama import _LAYER_GGUF, _TOP_GGUF, QK_NORM_GGUF, LlamaForCausalLM, llama
 from .spec import Family, GgufNames
 
 QWEN3 = Family(LlamaForCausalLM, lambda hf: llama_config(hf, qk_norm=True),
-               GgufNames({**_LAYER_GGUF, **QK_NORM_GGUF}, _TOP_GGUF))
+               GgufNames("qwen3", {**_LAYER_GGUF, **QK_NORM_GGUF}, _TOP_GGUF))

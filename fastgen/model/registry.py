@@ -1,4 +1,5 @@
-"""HF ``model_type`` -> its :class:`~fastgen.model.spec.Family`. Adding an architecture is one
+"""HF ``model_type`` -> its :class:`~fastgen.model.spec.Family`; a GGUF file's architecture ->
+the family whose :class:`~fastgen.model.spec.GgufNames` claims it. Adding an architecture is one
 file in fastgen/model/ (its model, or only its spec where an existing model fits) plus one
 entry here; docs/architecture.md, "Adding a model family", says which test to add."""
 from __future__ import annotations
@@ -39,6 +40,25 @@ def family(model_type: str) -> Family:
     except KeyError:
         raise ModelLoadError(
             f"model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}") from None
+
+
+def gguf_family(header: Any) -> Family:
+    """The family of a GGUF file (fastgen.model.gguf_file.GgufHeader): the one whose llama.cpp
+    architecture it names, with or without routed experts as the file has them;
+    :class:`ModelLoadError` naming the architecture and the supported ones otherwise."""
+    arch = header.arch
+    claims = [f for f in FAMILIES.values() if f.gguf is not None and f.gguf.arch == arch]
+    if not claims:
+        archs = sorted({f.gguf.arch for f in FAMILIES.values() if f.gguf is not None})
+        hf_only = sorted(t for t, f in FAMILIES.items() if f.gguf is None)
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {archs} (and "
+                             f"{hf_only} from Hugging Face folders only: llama.cpp defines no GGUF layout for them)")
+    experts = bool(header.key(f"{arch}.expert_count", 0))
+    match = [f for f in claims if f.gguf.experts == experts]
+    if not match:
+        raise ModelLoadError(f"GGUF architecture {arch!r} {'with' if experts else 'without'} routed experts "
+                             f"({arch}.expert_count) is not supported")
+    return match[0]
 
 
 def model_class(model_type: str) -> type:

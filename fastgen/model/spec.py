@@ -68,19 +68,48 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class GgufNames:
-    """llama.cpp's tensor names for a family and what its converter did to the tensors.
+class Split:
+    """A llama.cpp tensor that fuses checkpoint tensors along its rows (Phi-2's and Falcon's
+    ``attn_qkv``, Phi-3's ``ffn_up`` = gate then up): their names and row counts, in order."""
 
-    ``layer``: name after ``blk.N.`` -> HF name after ``model.layers.N.``; ``top``: the other
-    tensors (without ``.weight``/``.bias``) -> HF names. ``unpermute_qk``: llama.cpp
+    names: tuple[str, ...]
+    rows: Callable[[ModelConfig], tuple[int, ...]]
+
+
+def qkv_rows(cfg: ModelConfig) -> tuple[int, int, int]:
+    """Rows of a fused QKV tensor laid out as all q heads, then k, then v."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return q, kv, kv
+
+
+QKV = Split(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), qkv_rows)
+
+
+@dataclass(frozen=True)
+class GgufNames:
+    """llama.cpp's layout of a family: its architecture, tensor names, what its converter did.
+
+    ``arch``: ``general.architecture`` of the family's files; ``experts``: whether they hold
+    routed experts (``{arch}.expert_count`` > 0; llama.cpp's ``llama`` serves Llama and Mixtral).
+    ``layer``: name after ``blk.N.`` -> name after ``model.layers.N.`` (a :class:`Split` for a
+    fused tensor; ``{e}`` in a name: one tensor per expert, cut from a 3-D ``*_exps`` tensor
+    ``[experts, rows, cols]`` or named ``blk.N.part.E`` in older files); ``top``: the other
+    tensors (without ``.weight``/``.bias``). The names are the model's own (``load_weights``,
+    ``attach_quantized``), HF names where the family keeps them. ``unpermute_qk``: llama.cpp
     interleaved the Q/K rows of its ``llama`` architecture for its RoPE; undone at load.
     ``norm_shift``: added to every ``*norm`` tensor (Gemma's converter stores ``1 + w``).
+    ``config``: the transformers config built from the file's metadata
+    (fastgen.model.gguf_file.GgufHeader); None where transformers' own GGUF config mapping is
+    complete for the family (Llama, Qwen2/3, Gemma 3).
     """
 
-    layer: Mapping[str, str]
+    arch: str
+    layer: Mapping[str, "str | Split"]
     top: Mapping[str, str]
     unpermute_qk: bool = False
     norm_shift: float = 0.0
+    experts: bool = False
+    config: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)
