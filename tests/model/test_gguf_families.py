@@ -15,7 +15,7 @@ from fastgen.model import loader
 from fastgen.model.llama import ModelConfig
 from fastgen.model.loader import load_hf_config, load_model
 from fastgen.model.moe import MoE
-from fastgen.model.quant import QuantGemvWeight
+from fastgen.model.quant import QuantWeight
 
 from .gguf_convert import convert, round_to
 from .ragged import ragged_logits
@@ -95,7 +95,7 @@ def test_gguf_file_matches_transformers_on_the_hf_folder(name, tmp_path):
     if quantized:   # the shipped blocks are what the decode rows multiply (experts and fused parts alike)
         layer = model.layers[0]
         linear = layer.mlp.experts[0].gate_up_proj if cfg.moe else layer.self_attn.qkv_proj
-        assert isinstance(linear.format, QuantGemvWeight)
+        assert isinstance(linear.format, QuantWeight)
     idle = _count_idle_expert_steps(model)
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (1, 5, 23, 40)]
