@@ -32,6 +32,7 @@ from prometheus_client.core import GaugeMetricFamily
 from .http import CONTENT_TYPE, create_fastapi_app, race_disconnect, sse
 from .config import ServerConfig
 from .errors import APIError
+from .health import probe_async
 from .openapi import route_doc
 
 log = logging.getLogger(__name__)
@@ -273,13 +274,9 @@ class Balancer:
             self._mark_down(u, f"replica process exited with code {u.process.returncode}")
             await self._restart(u)
             return
-        try:
-            r = await self._client.get(u.url + "/health", timeout=max(1.0, self._health_interval_s * 2))
-            status = r.json().get("status") if r.status_code in (200, 503) else None
-            ok = r.status_code == 200
-        except (httpx.HTTPError, ValueError) as e:
-            ok, status = False, f"{type(e).__name__}"
-        if ok:
+        answer = await probe_async(self._client, u.url, timeout_s=max(1.0, self._health_interval_s * 2))
+        status = answer.state if answer.status_code is not None else answer.detail.split(":")[0]
+        if answer.ok:
             if u.state != "up":
                 log.info("upstream %s is up", u.url)
             u.state = "up"
