@@ -13,10 +13,11 @@ import pytest
 from fastgen.engine import EngineStats, StepOutput
 from fastgen.errors import EngineDeadError, InvalidRequestError
 from fastgen.request import FinishReason, Response, SamplingParams, Timings, TokenLogprob
-from fastgen.server.balancer import Balancer, Upstream, estimate_tokens
+from fastgen.server.balancer import Balancer, Upstream, UpstreamState, estimate_tokens
 from fastgen.server.engine_loop import EngineLoop
 from fastgen.server.errors import QueueFullError, from_invalid_request, from_validation_error
-from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest, ResponseBuilder
+from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest
+from fastgen.server.responses import ChatBodies, CompletionBodies
 from fastgen.server.wire import response_from_json, response_to_json
 
 
@@ -320,8 +321,8 @@ def test_stream_chunks_carry_the_logprobs_of_the_whole_response():
            TokenLogprob(3, -0.3, {3: -0.3}))
     r = Response(request_id="0", generated_text="abcde", token_ids=(1, 2, 3), prompt_length=1, generated_length=3,
                  finish_reason=FinishReason.LENGTH, timings=Timings(None, None, (), None), logprobs=lps)
-    for kind in ("completion", "chat"):
-        builder = ResponseBuilder(kind, "m", texts.__getitem__)
+    for kind, bodies in (("completion", CompletionBodies), ("chat", ChatBodies)):
+        builder = bodies("m", texts.__getitem__)
         whole = builder.full([r], 1)["choices"][0]["logprobs"]
         chunks = [builder.chunk(0, "ab", None, first=True, include_usage=False, logprobs=lps[:1]),
                   builder.chunk(0, "cde", "length", first=False, include_usage=False, logprobs=lps[1:]),
@@ -356,7 +357,7 @@ def test_estimate_tokens_counts_prompts_choices_and_new_tokens():
 
 def test_pick_routes_to_least_outstanding_work_among_healthy():
     a, b, c = Upstream("http://a"), Upstream("http://b"), Upstream("http://c")
-    a.state = b.state = "up"
+    a.state = b.state = UpstreamState.UP
     balancer = Balancer([a, b, c])
     a.outstanding_tokens = 500
     assert balancer.pick(set()) is b
