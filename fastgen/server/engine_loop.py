@@ -27,7 +27,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Engine, EngineStats, StepOutput
+from ..engine import EngineStats, StepOutput
+from ..engine_protocol import StepEngine
 from ..errors import EngineDeadError, FastgenError
 from ..request import FinishReason, SamplingParams
 from ..telemetry import Record
@@ -118,12 +119,12 @@ class EngineLoop:
     on_step: called on the event loop with a :class:`StepReport` after each step.
     """
 
-    load: Callable[[], Engine]
+    load: Callable[[], StepEngine]
     max_queue: int | None = None
     on_step: StepObserver | None = None
     state: LoopState = LoopState.LOADING
     error: BaseException | None = None
-    engine: Engine | None = None          # engine thread only (handlers read the server's EngineFacts)
+    engine: StepEngine | None = None      # engine thread only (handlers read the server's EngineFacts)
     stats: EngineStats | None = None
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _live: dict[str, _Live] = field(default_factory=dict)  # engine thread only

@@ -23,7 +23,8 @@ from fastgen.server.wire import response_from_json, response_to_json
 
 class FakeEngine:
     """Generates token 7 ("x") once per step for up to ``max_running`` requests at a time
-    (with logprob -0.5 when asked for logprobs)."""
+    (with logprob -0.5 when asked for logprobs). Satisfies fastgen.engine_protocol.StepEngine,
+    as the real Engine does (tests/unit/test_engine_protocol.py)."""
 
     def __init__(self, max_running: int = 64, step_s: float = 0.002) -> None:
         self.max_running = max_running
@@ -62,13 +63,13 @@ class FakeEngine:
         self.done[rid] = (reason, 0)
         del self.left[rid]
 
-    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> None:
-        if rid in self.left:
-            self._finish(rid, reason)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        if request_id in self.left:
+            self._finish(request_id, reason)
 
-    def response(self, rid: str) -> Response:
-        reason, _ = self.done.pop(rid)
-        return Response(request_id=rid, generated_text="", token_ids=(), prompt_length=1, generated_length=0,
+    def response(self, request_id: str) -> Response:
+        reason, _ = self.done.pop(request_id)
+        return Response(request_id=request_id, generated_text="", token_ids=(), prompt_length=1, generated_length=0,
                         finish_reason=reason, timings=Timings(None, None, (), None))
 
     def stats(self) -> EngineStats:
