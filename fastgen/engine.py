@@ -3,6 +3,15 @@
 ``Engine.step()`` runs one forward pass over whatever the scheduler planned and returns
 what each touched request produced. Callers (the pipeline, the server loop) add requests,
 call ``step`` while ``has_unfinished()``, and collect finished requests with ``response``.
+Its drivers' view of it is :class:`fastgen.engine_protocol.StepEngine`.
+
+Seams: ``new_pool`` shapes every KV pool for this model (the engine's, and private ones for
+evaluation and benchmarks); ``forward_observer`` (None by default) sees each forward's seconds.
+
+Size: about 450 lines, over the house's ~400, on purpose: the request table (``_requests``),
+the step (plan -> batch -> forward -> sample -> commit) and the request lifecycle (add, abort,
+finish, response) all write that one table, which is the engine's to own; split across modules,
+each part would reach into the others' state.
 """
 from __future__ import annotations
 

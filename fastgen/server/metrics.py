@@ -95,7 +95,7 @@ class ServerMetrics:
         for d in report.deltas:
             if d.finish_reason is None:
                 continue
-            self.requests.labels(d.finish_reason).inc()
+            self.requests.labels(d.finish_reason.value).inc()
             r = d.response
             if r is None:
                 continue

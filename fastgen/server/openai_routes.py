@@ -9,7 +9,7 @@ the response bodies (responses.py), and how a stream is written (chat with tools
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, ClassVar, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -160,9 +160,11 @@ def shutdown_event(d: Delta) -> str:
     return sse(APIError(503, d.error, type="server_error", code="server_shutdown").body())
 
 
-async def text_events(stream: Stream, bodies: ResponseBodies, n: int, include_usage: bool) -> AsyncIterator[str]:
-    started: set[int] = set()
-    pending: dict[int, list[TokenLogprob]] = {}  # per choice: logprobs of tokens not yet sent
+async def _events(stream: Stream, bodies: ResponseBodies, n: int, include_usage: bool,
+                  on_delta: Callable[[Delta], Iterator[str]]) -> AsyncIterator[str]:
+    """The frame of every OpenAI stream: each delta's events (``on_delta``; a choice the engine
+    failed gets an error event instead), the usage chunk when asked for, ``[DONE]``; the engine
+    requests are aborted however the stream ends."""
     usage = _StreamUsage(n)
     try:
         async for d in stream:
@@ -170,19 +172,8 @@ async def text_events(stream: Stream, bodies: ResponseBodies, n: int, include_us
             if d.finish_reason is FinishReason.ERROR:
                 yield failed_event(d)
                 continue
-            if d.error is not None:  # cut by the server (shutdown): say so, then the stream still ends well
-                yield sse(bodies.chunk(d.index, d.text, d.finish_reason, first=d.index not in started,
-                                       include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
-                started.add(d.index)
-                yield shutdown_event(d)
-                continue
-            if d.logprobs:
-                pending.setdefault(d.index, []).extend(d.logprobs)
-            if not d.text and d.finish_reason is None:
-                continue  # scheduled, or a token whose text is held back (its logprobs wait)
-            yield sse(bodies.chunk(d.index, d.text, d.finish_reason, first=d.index not in started,
-                                   include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
-            started.add(d.index)
+            for event in on_delta(d):
+                yield event
         if include_usage:
             yield usage.chunk(bodies)
         yield SSE_DONE
@@ -190,35 +181,46 @@ async def text_events(stream: Stream, bodies: ResponseBodies, n: int, include_us
         stream.close()
 
 
-async def tool_events(stream: Stream, bodies: ChatBodies, n: int, include_usage: bool,
-                      tools: ToolPlan) -> AsyncIterator[str]:
+def text_events(stream: Stream, bodies: ResponseBodies, n: int, include_usage: bool) -> AsyncIterator[str]:
+    """A stream of text chunks; a token's logprobs travel with the chunk that carries its text."""
+    started: set[int] = set()
+    pending: dict[int, list[TokenLogprob]] = {}  # per choice: logprobs of tokens not yet sent
+
+    def on_delta(d: Delta) -> Iterator[str]:
+        if d.logprobs:
+            pending.setdefault(d.index, []).extend(d.logprobs)
+        if not d.text and d.finish_reason is None:
+            return  # scheduled, or a token whose text is held back (its logprobs wait)
+        yield sse(bodies.chunk(d.index, d.text, d.finish_reason, first=d.index not in started,
+                               include_usage=include_usage, logprobs=tuple(pending.pop(d.index, ()))))
+        started.add(d.index)
+        if d.error is not None:  # cut by the server (shutdown): say so, then the stream still ends well
+            yield shutdown_event(d)
+
+    return _events(stream, bodies, n, include_usage, on_delta)
+
+
+def tool_events(stream: Stream, bodies: ChatBodies, n: int, include_usage: bool,
+                tools: ToolPlan) -> AsyncIterator[str]:
     """A chat stream whose choices may call tools: each choice's text goes through its
     :class:`ToolCallStream`; a choice that called a tool finishes with ``tool_calls``."""
     choices: dict[int, ToolCallStream] = {}
-    usage = _StreamUsage(n)
-    try:
-        async for d in stream:
-            usage.add(d)
-            if d.finish_reason is FinishReason.ERROR:
-                yield failed_event(d)
-                continue
-            first = d.index not in choices
-            calls = choices.setdefault(d.index, ToolCallStream(tools))
-            deltas = calls.push(d.text) if d.text else []
-            if d.finish_reason is not None:
-                deltas += calls.finish()
-            if first:
-                deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
-            for delta in deltas:
-                yield sse(bodies.chat_chunk(d.index, delta, None, include_usage=include_usage))
-            if d.finish_reason is not None:
-                called = calls.called and d.finish_reason is FinishReason.STOP
-                yield sse(bodies.chat_chunk(d.index, {}, "tool_calls" if called else d.finish_reason,
-                                            include_usage=include_usage))
-            if d.error is not None:  # cut by the server (shutdown), as in text_events
-                yield shutdown_event(d)
-        if include_usage:
-            yield usage.chunk(bodies)
-        yield SSE_DONE
-    finally:
-        stream.close()
+
+    def on_delta(d: Delta) -> Iterator[str]:
+        first = d.index not in choices
+        calls = choices.setdefault(d.index, ToolCallStream(tools))
+        deltas = calls.push(d.text) if d.text else []
+        if d.finish_reason is not None:
+            deltas += calls.finish()
+        if first:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+        for delta in deltas:
+            yield sse(bodies.chat_chunk(d.index, delta, None, include_usage=include_usage))
+        if d.finish_reason is not None:
+            called = calls.called and d.finish_reason is FinishReason.STOP
+            yield sse(bodies.chat_chunk(d.index, {}, "tool_calls" if called else d.finish_reason,
+                                        include_usage=include_usage))
+        if d.error is not None:  # cut by the server (shutdown), as in text_events
+            yield shutdown_event(d)
+
+    return _events(stream, bodies, n, include_usage, on_delta)

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
 import pytest
@@ -77,6 +78,13 @@ def start_server(*args: str, env: dict | None = None) -> ServerProcess:
         server.stop(signal.SIGKILL)
         pytest.fail(f"fastgen serve: {e}:\n{server.log_tail()}")
     return server
+
+
+def serving(*args: str, env: dict | None = None) -> Iterator[ServerProcess]:
+    """A fixture's body: a started server, stopped at teardown, which must exit 0 (a clean drain)."""
+    srv = start_server(*args, env=env)
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
 
 
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> bool:

@@ -9,11 +9,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 
 import httpx
-import pytest
 import uvicorn
 
 from fastgen.server.balancer import Balancer, Upstream, UpstreamState, create_balancer_app

@@ -13,23 +13,19 @@ import httpx
 import openai
 import pytest
 
-from .conftest import start_server, wait_until
+from .conftest import serving, wait_until
 
 PROMPT = "Once upon a time, in a land far away,"
 
 
 @pytest.fixture(scope="module")
 def replica():
-    srv = start_server("--dtype", "float32", "--num-blocks", "64")
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from serving("--dtype", "float32", "--num-blocks", "64")
 
 
 @pytest.fixture(scope="module")
 def balanced(replica):
-    srv = start_server("--upstream", replica.url)
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from serving("--upstream", replica.url)
 
 
 def replicas(srv) -> list[dict]:
