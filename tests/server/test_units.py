@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pydantic
@@ -226,6 +227,24 @@ class FailingEngine(FakeEngine):
         return super().step()
 
 
+class HangingEngine(FakeEngine):
+    """A FakeEngine whose second step hangs until ``release`` is set (``hanging`` says it has
+    begun): a ping sent then cannot slip in between two steps, however loaded the machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_steps = 0
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def step(self) -> list[StepOutput]:
+        self.num_steps += 1
+        if self.num_steps == 2:
+            self.hanging.set()
+            self.release.wait(10)
+        return super().step()
+
+
 def test_ping_is_answered_between_steps_while_the_engine_works():
     async def body(loop):
         stream = await loop.submit([[1]], [params(10_000)])
@@ -249,14 +268,18 @@ def test_ping_fails_when_the_engine_failed_hangs_or_stopped():
 
     run_with_loop(FailingEngine(fail_at=3), failed)
 
+    hanging = HangingEngine()
+
     async def hung(loop):
         stream = await loop.submit([[1]], [params(10)])
-        await stream.__anext__()  # the engine is now inside 2 s steps
+        await stream.__anext__()
+        assert await asyncio.to_thread(hanging.hanging.wait, 5)  # the engine is inside a step that hangs
         with pytest.raises(EngineDeadError, match="did not answer within 0.2 s"):
             await loop.ping(timeout_s=0.2)
+        hanging.release.set()
         stream.close()
 
-    run_with_loop(FakeEngine(step_s=2.0), hung)
+    run_with_loop(hanging, hung)
 
     async def stopped(loop):
         loop.stop()
