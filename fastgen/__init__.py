@@ -10,7 +10,7 @@ import types
 
 _NAMES = {
     "client": "client", "FastgenError": "errors", "InvalidRequestError": "errors", "ModelLoadError": "errors",
-    "PromptTooLongError": "errors", "Pipeline": "pipeline", "pipeline": "pipeline", "FinishReason": "request",
+    "PromptTooLongError": "errors", "ServerError": "errors", "Pipeline": "pipeline", "pipeline": "pipeline", "FinishReason": "request",
     "Response": "request", "SamplingParams": "request", "serve": "server.launch",
 }
 

@@ -14,24 +14,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from typing import Any, Iterator
 
 import httpx
 
-from .errors import FastgenError, InvalidRequestError
+from .errors import InvalidRequestError, ServerError
 from .request import Response
+from .server.health import probe, wait_healthy
 from .server.wire import response_from_json
 
-
-class ServerError(FastgenError):
-    """The server refused or failed a request. ``status`` is the HTTP status (429: busy, retry)."""
-
-    def __init__(self, message: str, status: int, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.param = param
+__all__ = ["Client", "ServerError", "client"]  # ServerError: fastgen.errors' own, named here as before
 
 
 def _raise_for(status: int, body: bytes) -> None:
@@ -84,22 +76,11 @@ class Client:
                     yield event["text"]
 
     def is_healthy(self) -> bool:
-        try:
-            return self._http.get("/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return probe(self.url, headers=dict(self._http.headers), timeout_s=5.0).ok
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait until ``/health`` answers 200; raises if the server process exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise ServerError(f"the server exited with code {self.process.returncode} before it was ready",
-                                  503, "server_exited")
-            if self.is_healthy():
-                return
-            time.sleep(0.25)
-        raise ServerError(f"the server at {self.url} was not ready after {timeout_s:.0f} s", 503, "timeout")
+        wait_healthy(self.url, timeout_s, process=self.process)
 
     def terminate(self, timeout_s: float = 60.0) -> None:
         """Close this client; stop the server (SIGTERM: it drains, then exits) if this client started it."""

@@ -3,6 +3,15 @@
 ``Engine.step()`` runs one forward pass over whatever the scheduler planned and returns
 what each touched request produced. Callers (the pipeline, the server loop) add requests,
 call ``step`` while ``has_unfinished()``, and collect finished requests with ``response``.
+Its drivers' view of it is :class:`fastgen.engine_protocol.StepEngine`.
+
+Seams: ``new_pool`` shapes every KV pool for this model (the engine's, and private ones for
+evaluation and benchmarks); ``forward_observer`` (None by default) sees each forward's seconds.
+
+Size: about 450 lines, over the house's ~400, on purpose: the request table (``_requests``),
+the step (plan -> batch -> forward -> sample -> commit) and the request lifecycle (add, abort,
+finish, response) all write that one table, which is the engine's to own; split across modules,
+each part would reach into the others' state.
 """
 from __future__ import annotations
 
@@ -13,7 +22,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -71,9 +80,10 @@ class Engine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         cache = config.cache
-        self.pool = KVPool(num_layers=model_config.num_layers, num_blocks=cache.num_blocks,
-                           block_size=cache.block_size, num_kv_heads=local_kv_heads(model, model_config),
-                           head_dim=model_config.head_dim, dtype=config.dtype, device=config.device)
+        self.pool = self.new_pool(cache.num_blocks)
+        # Benchmarks' seam: called with the seconds of each model forward (device-synchronised).
+        # None (the default) costs one attribute test per step.
+        self.forward_observer: Callable[[float], None] | None = None
         self.allocator = BlockAllocator(cache.num_blocks)
         self.scheduler = make_scheduler(config.scheduler, self.allocator, cache.block_size,
                                         prefix_caching=cache.prefix_caching)
@@ -91,6 +101,15 @@ class Engine:
         self.budget_choice: BudgetChoice | None = None   # set when budget_tokens="auto" was measured
         self.events = EventLog()          # per-step records and request lifecycle events (telemetry.py)
         self.generation_defaults = None   # GenerationDefaults of the model's files, set by from_pretrained
+
+    def new_pool(self, num_blocks: int) -> KVPool:
+        """A KV pool of ``num_blocks`` shaped for this engine's model (its layers, the KV heads this
+        rank holds, head dim, dtype, device, block size): the engine's own, or a private one for
+        direct forwards (evaluation, benchmarks) that leaves the engine's blocks alone."""
+        mc, cfg = self.model_config, self.config
+        return KVPool(num_layers=mc.num_layers, num_blocks=num_blocks, block_size=cfg.cache.block_size,
+                      num_kv_heads=local_kv_heads(self.model, mc), head_dim=mc.head_dim, dtype=cfg.dtype,
+                      device=cfg.device)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":
@@ -260,6 +279,14 @@ class Engine:
 
     COMPILE_WAIT_S = 0.05   # an idle engine waits this long for a grammar before step() returns
 
+    def _observed_forward(self, batch) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.model(batch, self.pool)
+        if self.config.device.type == "cuda":
+            torch.cuda.synchronize(self.config.device)
+        self.forward_observer(time.perf_counter() - t0)
+        return logits
+
     def _admit_compiled(self) -> list[StepOutput]:
         """Hand requests whose grammar has compiled to the scheduler; end those whose compile failed."""
         failed = []
@@ -291,7 +318,8 @@ class Engine:
         masks = self._fill_masks(samplers)
         try:
             batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
-            logits = self.model(batch, self.pool)                  # [num_logits, vocab] fp32
+            # [num_logits, vocab] fp32
+            logits = self.model(batch, self.pool) if self.forward_observer is None else self._observed_forward(batch)
             rows: dict[int, torch.Tensor] = {}
             row = 0
             for i in batch.order:

@@ -36,3 +36,21 @@ class EngineDeadError(FastgenError):
 
 class RankFailedError(EngineDeadError):
     """A tensor-parallel rank died or stopped answering: the replica cannot go on and ends."""
+
+
+class ServerError(FastgenError):
+    """A fastgen (or OpenAI-compatible) server refused, failed, or never answered a request: the one
+    error class of fastgen's HTTP clients (:class:`fastgen.client.Client`, the load generator's
+    ``HTTPTarget``, :func:`fastgen.server.health.wait_healthy`). A 400/404 from the native client is
+    an :class:`InvalidRequestError` instead, as the same call to the pipeline would raise.
+
+    ``status``: the HTTP status (429: busy, retry; 503: not serving), ``None`` when no answer came.
+    ``code`` and ``param``: those of the OpenAI-style error body, when it had them.
+    """
+
+    def __init__(self, message: str, status: int | None, code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param

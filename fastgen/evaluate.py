@@ -23,8 +23,6 @@ from importlib import resources
 import torch
 
 from .batch import SeqInput, build_batch
-from .cache import KVPool
-from .model.spec import local_kv_heads
 
 PROMPTS = (
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
@@ -55,10 +53,9 @@ def heldout_tokens(tokenizer, num_tokens: int) -> list[int]:
 def decode_perplexity(engine, token_ids: list[int], window: int = 256) -> float:
     """exp(mean NLL) of ``token_ids`` fed one token per forward pass, in windows of ``window``
     (each window starts a fresh sequence)."""
-    model, mc, cfg = engine.model, engine.model_config, engine.config
+    model, cfg = engine.model, engine.config
     bs = cfg.cache.block_size
-    pool = KVPool(num_layers=mc.num_layers, num_blocks=math.ceil(window / bs), block_size=bs,
-                  num_kv_heads=local_kv_heads(model, mc), head_dim=mc.head_dim, dtype=cfg.dtype, device=cfg.device)
+    pool = engine.new_pool(math.ceil(window / bs))
     blocks = list(range(pool.num_blocks))
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 
 from ..config import SCHEDULERS
 from ..errors import FastgenError
-from .engine import busy_cpus, cpu_name
+from .machine import busy_cpus, cpu_name
 from .engine_target import EngineTarget, RunResult, engines, warm_up
 from .http_target import HTTPTarget, HTTPTargetError
 from .load import ClosedLoop, Load, Poisson, RunLimits

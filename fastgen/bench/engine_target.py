@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from ..engine import Engine
+from ..engine_protocol import StepEngine
 from ..telemetry import TraceWriter
 from ..errors import InvalidRequestError
 from ..request import FinishReason, SamplingParams
@@ -53,7 +54,7 @@ def sampling_for(request: BenchRequest) -> SamplingParams:
 class EngineTarget:
     """Runs load points against one engine. ``clock`` and ``sleep`` are injectable for tests."""
 
-    def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, engine: StepEngine, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep, salt_per_run: bool = True,
                  trace: TraceWriter | None = None) -> None:
         self.engine = engine

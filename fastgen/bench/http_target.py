@@ -19,6 +19,8 @@ from typing import Any, Sequence
 import httpx
 from tqdm.auto import tqdm
 
+from ..errors import ServerError
+from ..server.health import wait_healthy
 from .engine_target import CUT_OFF, RunResult, run_duration
 from .load import ClosedLoop, Load, RunLimits
 from .metrics import RequestRecord
@@ -28,8 +30,8 @@ CONNECT_TIMEOUT_S = 10.0
 MAX_ERROR_CHARS = 300
 
 
-class HTTPTargetError(RuntimeError):
-    """The endpoint cannot be benchmarked (unreachable, or no model to name)."""
+# The endpoint cannot be benchmarked (unreachable, or no model to name): the clients' one error class.
+HTTPTargetError = ServerError
 
 
 class HTTPTarget:
@@ -49,19 +51,7 @@ class HTTPTarget:
 
     def wait_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
         """Wait until ``GET /health`` answers 200 (a server without that route: at once)."""
-        deadline = time.perf_counter() + timeout_s
-        last = "no answer"
-        while True:
-            try:
-                r = httpx.get(f"{self.base_url}/health", headers=self.headers, timeout=CONNECT_TIMEOUT_S)
-                if r.status_code in (200, 404):
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {e}"
-            if time.perf_counter() > deadline:
-                raise HTTPTargetError(f"{self.base_url}/health is not ready after {timeout_s:g} s ({last})")
-            time.sleep(poll_s)
+        wait_healthy(self.base_url, timeout_s, headers=self.headers, poll_s=poll_s, ready_statuses=(200, 404))
 
     def _served_model(self) -> str:
         try:
@@ -69,8 +59,8 @@ class HTTPTarget:
             r.raise_for_status()
             return r.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-            raise HTTPTargetError(f"cannot list the models of {self.base_url}/v1/models ({e}); "
-                                  f"pass the model name") from None
+            raise ServerError(f"cannot list the models of {self.base_url}/v1/models ({e}); pass the model name",
+                              getattr(getattr(e, "response", None), "status_code", None)) from None
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "prompt": req.prompt_text, "max_tokens": req.max_new_tokens,

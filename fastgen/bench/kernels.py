@@ -124,13 +124,12 @@ def old_vs_new_decode(engine, batch: int = 32, context: int = 4096, repeats: int
     engine's model (new) and the same checkpoint loaded with kernels="torch" (old)."""
     from ..model.loader import load_model
 
-    cfg, mc = engine.config, engine.model_config
+    cfg = engine.config
     if cfg.kernels != "native":
         return None
     bs = cfg.cache.block_size
     nb = math.ceil(context / bs)
-    pool = KVPool(num_layers=mc.num_layers, num_blocks=batch * nb, block_size=bs, num_kv_heads=mc.num_kv_heads,
-                  head_dim=mc.head_dim, dtype=cfg.dtype, device=cfg.device)
+    pool = engine.new_pool(batch * nb)
     seqs = [SeqInput([7], context - 1, list(range(i * nb, (i + 1) * nb)), 1) for i in range(batch)]
     b = build_batch(seqs, bs, cfg.device)
     old = load_model(cfg.model_path, dtype=cfg.dtype, device=cfg.device, max_positions=cfg.max_model_len,

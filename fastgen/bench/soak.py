@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from ..errors import ServerError
+from ..server.health import wait_healthy
 from ..server.launch import free_port
 
 
@@ -177,20 +179,11 @@ def main(argv=None) -> int:
     log = open(os.devnull, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                print(f"soak: the server exited with {proc.returncode} while loading", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                print("soak: the server did not become healthy in 600 s", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        try:
+            wait_healthy(url, 600, poll_s=0.5, process=proc)
+        except ServerError as e:
+            print(f"soak: {e}", file=sys.stderr)
+            return 1
         tally = Tally()
         figures = asyncio.run(run_load(url, "soak", args, tally, proc.pid))
         metrics = httpx.get(url + "/metrics", timeout=10).text

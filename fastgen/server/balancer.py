@@ -15,6 +15,7 @@ that exited or stopped answering is restarted.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import subprocess
@@ -32,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 from .http import CONTENT_TYPE, create_fastapi_app, race_disconnect, sse
 from .config import ServerConfig
 from .errors import APIError
+from .health import probe_async
 from .openapi import route_doc
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,15 @@ def estimate_tokens(path: str, body: dict) -> int:
     return max(1, (prompt_tokens + new_tokens) * max(1, n) * num_prompts)
 
 
+class UpstreamState(str, enum.Enum):
+    STARTING = "starting"   # a local replica loading its model (or an upstream not yet checked)
+    UP = "up"
+    DOWN = "down"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(eq=False)
 class Upstream:
     """One server behind the balancer, and what the balancer knows of it."""
@@ -68,7 +79,7 @@ class Upstream:
     url: str
     port: int | None = None                 # set for a local replica (restartable)
     process: subprocess.Popen | None = None
-    state: str = "starting"                 # starting | up | down
+    state: UpstreamState = UpstreamState.STARTING
     outstanding_tokens: int = 0
     in_flight: int = 0
     num_routed: int = 0
@@ -77,7 +88,7 @@ class Upstream:
     last_error: str | None = None
 
     def describe(self) -> dict:
-        return {"url": self.url, "state": self.state, "pid": None if self.process is None else self.process.pid,
+        return {"url": self.url, "state": self.state.value, "pid": None if self.process is None else self.process.pid,
                 "outstanding_tokens": self.outstanding_tokens, "in_flight": self.in_flight,
                 "num_routed": self.num_routed, "num_restarts": self.num_restarts, "last_error": self.last_error}
 
@@ -97,7 +108,7 @@ class _UpstreamCollector:
                                           labels=["upstream"]),
         }
         for u in self._balancer.upstreams:
-            families["up"].add_metric([u.url], float(u.state == "up"))
+            families["up"].add_metric([u.url], float(u.state is UpstreamState.UP))
             families["tokens"].add_metric([u.url], u.outstanding_tokens)
             families["in_flight"].add_metric([u.url], u.in_flight)
             families["restarts"].add_metric([u.url], u.num_restarts)
@@ -165,7 +176,7 @@ class Balancer:
 
     @property
     def healthy(self) -> list[Upstream]:
-        return [u for u in self.upstreams if u.state == "up"]
+        return [u for u in self.upstreams if u.state is UpstreamState.UP]
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -256,9 +267,9 @@ class Balancer:
             release()
 
     def _mark_down(self, u: Upstream, reason: str) -> None:
-        if u.state != "down":
+        if u.state is not UpstreamState.DOWN:
             log.warning("upstream %s is down: %s", u.url, reason)
-        u.state = "down"
+        u.state = UpstreamState.DOWN
         u.last_error = reason
 
     # -- health -----------------------------------------------------------------------------------
@@ -273,24 +284,20 @@ class Balancer:
             self._mark_down(u, f"replica process exited with code {u.process.returncode}")
             await self._restart(u)
             return
-        try:
-            r = await self._client.get(u.url + "/health", timeout=max(1.0, self._health_interval_s * 2))
-            status = r.json().get("status") if r.status_code in (200, 503) else None
-            ok = r.status_code == 200
-        except (httpx.HTTPError, ValueError) as e:
-            ok, status = False, f"{type(e).__name__}"
-        if ok:
-            if u.state != "up":
+        answer = await probe_async(self._client, u.url, timeout_s=max(1.0, self._health_interval_s * 2))
+        status = answer.state if answer.status_code is not None else answer.detail.split(":")[0]
+        if answer.ok:
+            if u.state is not UpstreamState.UP:
                 log.info("upstream %s is up", u.url)
-            u.state = "up"
+            u.state = UpstreamState.UP
             u.num_failed_health = 0
             return
-        if status == "loading" and u.state == "starting":
+        if status == "loading" and u.state is UpstreamState.STARTING:
             return  # still loading its model
         u.num_failed_health += 1
-        if u.state == "up" and u.num_failed_health >= self._max_failed_health or status == "failed":
+        if u.state is UpstreamState.UP and u.num_failed_health >= self._max_failed_health or status == "failed":
             self._mark_down(u, f"health check failed ({status})")
-        if u.state == "down" and u.process is not None and (
+        if u.state is UpstreamState.DOWN and u.process is not None and (
                 status == "failed" or u.num_failed_health >= self._max_failed_health):
             await self._restart(u)
 
@@ -302,7 +309,7 @@ class Balancer:
             await asyncio.to_thread(u.process.wait)
         log.warning("restarting replica %s", u.url)
         u.process = self._spawn(u.port)
-        u.state = "starting"
+        u.state = UpstreamState.STARTING
         u.num_failed_health = 0
         u.num_restarts += 1
 
@@ -349,7 +356,7 @@ def create_balancer_app(config: ServerConfig, balancer: Balancer) -> FastAPI:
 
         async def relay() -> AsyncIterator[bytes]:
             yield sse({"kind": "replicas", "replica": index,
-                       "replicas": [{"url": x.url, "state": x.state} for x in balancer.upstreams]}).encode()
+                       "replicas": [{"url": x.url, "state": x.state.value} for x in balancer.upstreams]}).encode()
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk

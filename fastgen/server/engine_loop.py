@@ -17,6 +17,7 @@ tokenization stays off this thread.
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import queue
@@ -26,86 +27,27 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Engine, EngineStats, StepOutput
+from ..engine import EngineStats, StepOutput
+from ..engine_protocol import StepEngine
 from ..errors import EngineDeadError, FastgenError
-from ..request import FinishReason, Response, SamplingParams, TokenLogprob
+from ..request import FinishReason, SamplingParams
 from ..telemetry import Record
 from .errors import QueueFullError
+from .stream import Delta, Stream
+
+__all__ = ["Delta", "EngineLoop", "LoopState", "StepObserver", "StepReport", "Stream"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Delta:
-    """What one engine request (one *choice* of a submission) produced since its last delta.
+class LoopState(str, enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
 
-    The first delta of a choice may be empty: it says the engine has scheduled it. The
-    last carries ``finish_reason`` (a :class:`FinishReason` value) and the engine's
-    :class:`Response` (``None`` only when the engine itself failed). ``logprobs`` are those of
-    ``token_ids``, when the request asked for them. A quiet stream's deltas do not add up to
-    the whole answer: read it from the last delta's ``response``. ``error`` says why a final
-    delta ended the request when the server, not the engine, ended it (a shutdown cut).
-    """
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    response: Response | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    error: str | None = None
-
-
-class Stream:
-    """The deltas of one submission's engine requests, in the order the engine produced them.
-
-    Iterate it to the end, or call :meth:`close` to abort what has not finished. A *quiet*
-    stream (for answers that are not streamed) skips the deltas between a choice's first and
-    last, which spares the event loop a wake-up per token.
-    """
-
-    def __init__(self, owner: "EngineLoop", request_ids: list[str], quiet: bool = False) -> None:
-        self.request_ids = request_ids
-        self.quiet = quiet  # only the first (scheduled) and final delta of each choice are delivered
-        self._owner = owner
-        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self._unfinished = set(range(len(request_ids)))
-        self._unscheduled = set(range(len(request_ids)))
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> "Stream":
-        return self
-
-    async def __anext__(self) -> Delta:
-        if not self._unfinished and self._queue.empty():
-            raise StopAsyncIteration
-        return await self._queue.get()
-
-    def close(self) -> None:
-        """Abort every choice that has not finished (idempotent)."""
-        if self._unfinished:
-            self._owner.abort([self.request_ids[i] for i in self._unfinished])
-
-    # -- called on the event loop by the owner --------------------------------------------
-
-    def _push(self, delta: Delta) -> None:
-        self._mark_scheduled(delta.index)
-        if delta.finish_reason is not None:
-            self._unfinished.discard(delta.index)
-        self._queue.put_nowait(delta)
-
-    def _mark_scheduled(self, index: int) -> None:
-        if index in self._unscheduled:
-            self._unscheduled.discard(index)
-            self._owner.num_queued -= 1
-
-    def _drop_unscheduled(self) -> None:
-        for i in list(self._unscheduled):
-            self._mark_scheduled(i)
-        self._unfinished.clear()
+    def __str__(self) -> str:  # reads as the wire says it: "ready", not "LoopState.READY"
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -177,14 +119,13 @@ class EngineLoop:
     on_step: called on the event loop with a :class:`StepReport` after each step.
     """
 
-    load: Callable[[], Engine]
+    load: Callable[[], StepEngine]
     max_queue: int | None = None
     on_step: StepObserver | None = None
-    state: str = "loading"                # loading | ready | failed | stopped
+    state: LoopState = LoopState.LOADING
     error: BaseException | None = None
-    engine: Engine | None = None          # the event loop reads only its immutable config/tokenizer
+    engine: StepEngine | None = None      # engine thread only (handlers read the server's EngineFacts)
     stats: EngineStats | None = None
-    num_queued: int = 0                   # submitted sequences not yet scheduled (event-loop side)
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _live: dict[str, _Live] = field(default_factory=dict)  # engine thread only
     _outbox: list[tuple[Stream, Delta]] = field(default_factory=list)  # engine thread only
@@ -193,6 +134,11 @@ class EngineLoop:
     _thread: threading.Thread | None = None
     _seen_seq: int = 0                    # engine thread: the last telemetry record handed over
     _streams: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # event loop: submitted streams
+
+    @property
+    def num_queued(self) -> int:
+        """Submitted sequences (event-loop side) that the engine has not scheduled yet."""
+        return sum(s.num_unscheduled for s in list(self._streams))
 
     @property
     def num_in_flight(self) -> int:
@@ -209,15 +155,14 @@ class EngineLoop:
                      cache_salt: str | None = None) -> Stream:
         """Queue one engine request per prompt, all or none; raises the engine's
         :class:`InvalidRequestError`, :class:`QueueFullError`, or :class:`EngineDeadError`."""
-        if self.state != "ready":
+        if self.state is not LoopState.READY:
             raise EngineDeadError(f"the engine is {self.state}")
         if self.max_queue is not None and self.num_queued >= self.max_queue:
             raise QueueFullError(f"{self.num_queued} sequences are waiting (max_queue={self.max_queue})")
         base = next(self._ids)
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        stream = Stream(self, ids, quiet)
+        stream = Stream(self.abort, ids, quiet)
         self._streams.add(stream)
-        self.num_queued += len(ids)
         future = self._loop.create_future()
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         self._inbox.put(_Add(list(zip(ids, prompts, params)), stream, deadline, future, tenant, cache_salt))
@@ -226,16 +171,16 @@ class EngineLoop:
 
     async def wait_loaded(self, poll_s: float = 0.05) -> None:
         """Return once the engine is loaded; raise :class:`EngineDeadError` if loading failed."""
-        while self.state == "loading":
+        while self.state is LoopState.LOADING:
             await asyncio.sleep(poll_s)
-        if self.state != "ready":
+        if self.state is not LoopState.READY:
             raise EngineDeadError(f"the engine is {self.state}: {self.error}") from self.error
 
     async def ping(self, timeout_s: float) -> None:
         """A round trip through the engine thread, answered between two steps: returns when the
         thread took the command, raises :class:`EngineDeadError` when the engine is not ready,
         its thread has exited, or it did not answer within ``timeout_s`` (a step that hangs)."""
-        if self.state != "ready":
+        if self.state is not LoopState.READY:
             detail = f": {type(self.error).__name__}: {self.error}" if self.error is not None else ""
             raise EngineDeadError(f"the engine is {self.state}{detail}")
         if self._thread is None or not self._thread.is_alive():
@@ -259,14 +204,14 @@ class EngineLoop:
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(_Stop())
             self._thread.join(timeout_s)
-        if self.state != "failed":
-            self.state = "stopped"
+        if self.state is not LoopState.FAILED:
+            self.state = LoopState.STOPPED
 
     # -- event-loop callbacks ----------------------------------------------------------------
 
     def _admitted(self, cmd: _Add, error: BaseException | None) -> None:
         if error is not None:
-            cmd.stream._drop_unscheduled()
+            cmd.stream.refuse()
             if not cmd.future.done():
                 cmd.future.set_exception(error)
         elif cmd.future.cancelled():  # the caller went away while waiting for admission
@@ -288,7 +233,7 @@ class EngineLoop:
         if stats is not None:
             self.stats = stats
         for stream, delta in deltas:
-            stream._push(delta)
+            stream.push(delta)
         if self.on_step is not None and stats is not None:
             self.on_step(StepReport(stats, [d for _, d in deltas], stepped, num_new_tokens, records))
 
@@ -309,10 +254,10 @@ class EngineLoop:
             else:
                 log.exception("loading the engine failed")
             self.error = e
-            self.state = "failed"
+            self.state = LoopState.FAILED
             return
         self.stats = self.engine.stats()
-        self.state = "ready"
+        self.state = LoopState.READY
         try:
             while self._serve_once():
                 pass
@@ -320,9 +265,9 @@ class EngineLoop:
         except Exception as e:
             log.exception("the engine loop failed; failing every request")
             self.error = e
-            self.state = "failed"
+            self.state = LoopState.FAILED
             for rid, live in self._live.items():
-                self._outbox.append((live.stream, Delta(live.index, "", (), FinishReason.ERROR.value, None)))
+                self._outbox.append((live.stream, Delta(live.index, "", (), FinishReason.ERROR, None)))
             self._live.clear()
             self._flush(None)
             self._close_engine()
@@ -401,7 +346,7 @@ class EngineLoop:
             if live is None:  # finished already, or never admitted
                 continue
             self.engine.abort(rid, reason)
-            self._outbox.append((live.stream, Delta(live.index, "", (), reason.value, self.engine.response(rid),
+            self._outbox.append((live.stream, Delta(live.index, "", (), reason, self.engine.response(rid),
                                                     error=error)))
 
     def _expire_deadlines(self) -> bool:
@@ -424,7 +369,7 @@ class EngineLoop:
             if out.finish_reason is not None:
                 del self._live[out.request_id]
                 response = self.engine.response(out.request_id)
-                reason = out.finish_reason.value
+                reason = out.finish_reason
             self._outbox.append((live.stream, Delta(live.index, out.text_delta, out.new_token_ids,
                                                     reason, response, out.logprobs)))
 

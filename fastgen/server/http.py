@@ -9,16 +9,18 @@ import hashlib
 import json
 import logging
 import secrets
-from typing import Any
+import weakref
+from typing import Any, AsyncIterator, Callable, TypeVar
 
+import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServerConfig
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"   # Prometheus text format of /metrics
-from .errors import APIError
+from .errors import APIError, from_validation_error
 from .openapi import DOCS_PATHS, install_docs
 
 log = logging.getLogger(__name__)
@@ -172,3 +174,22 @@ def create_fastapi_app(title: str, lifespan, config: ServerConfig) -> FastAPI:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The body as ``model``; a 400 naming the first field that does not validate."""
+    try:
+        return model.model_validate_json(await request.body())
+    except pydantic.ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def event_stream(events: AsyncIterator[str], close: Callable[[], None]) -> StreamingResponse:
+    """Server-sent events from ``events``, which calls ``close`` when it ends. If the client leaves
+    before the body starts, ``events`` never runs; the finalizer still calls ``close`` (aborting
+    the engine requests behind it)."""
+    weakref.finalize(events, close)
+    return StreamingResponse(events, media_type="text/event-stream")

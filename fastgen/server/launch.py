@@ -155,7 +155,8 @@ def run_server(config: ServerConfig) -> int:
         from .app import create_app
 
         app = create_app(config)
-        engine_loop = app.state.server.loop
+        served = app.state.server
+        engine_loop = served.loop
         _banner(f"loading {app.state.server.model_name}; serving at {url} (/health is 503 until ready)")
 
     # uvicorn's own graceful timeout only backs up the app's drain (which waits drain_timeout_s itself)
@@ -167,7 +168,7 @@ def run_server(config: ServerConfig) -> int:
             announced = False
             while not server.should_exit:
                 if engine_loop.state == "ready" and not announced:
-                    defaults = engine_loop.engine.generation_defaults
+                    defaults = served.facts.generation_defaults
                     if defaults is not None:
                         _banner(f"sampling defaults for requests that give none: {defaults.describe()}")
                     _banner(f"ready at {url} (dashboard: {url}/dashboard)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .engine_loop import EngineLoop, StepReport
+from .engine_loop import EngineLoop, LoopState, StepReport
 from .http import CONTENT_TYPE  # noqa: F401  (re-exported: the text format of /metrics)
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -27,7 +27,7 @@ class _StateCollector:
     def collect(self):
         stats = self._loop.stats
         ready = GaugeMetricFamily("fastgen_engine_ready", "1 when the engine is loaded and serving")
-        ready.add_metric([], float(self._loop.state == "ready"))
+        ready.add_metric([], float(self._loop.state is LoopState.READY))
         yield ready
         queued = GaugeMetricFamily("fastgen_requests_queued",
                                    "sequences accepted by the server and not yet scheduled (bounded by --max-queue)")
@@ -95,7 +95,7 @@ class ServerMetrics:
         for d in report.deltas:
             if d.finish_reason is None:
                 continue
-            self.requests.labels(d.finish_reason).inc()
+            self.requests.labels(d.finish_reason.value).inc()
             r = d.response
             if r is None:
                 continue

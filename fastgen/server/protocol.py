@@ -17,18 +17,16 @@ the KV pool leave after the prompt. ``temperature`` 0 is greedy. fastgen extensi
 ``request_timeout_s`` (a deadline counted from arrival; past it the request ends with
 ``finish_reason: "timeout"``). With ``n > 1`` and a ``seed``, choice ``i`` uses ``seed + i``.
 ``cache_salt`` (as vLLM's) partitions the prefix cache within the caller's tenant; the usage
-reports ``prompt_tokens_details.cached_tokens``.
+reports ``prompt_tokens_details.cached_tokens``. The bodies of the answers: responses.py.
 """
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..request import Response, SamplingParams, TokenLogprob
+from ..request import SamplingParams
 from .errors import APIError, bad_request
 from .tools import Tool, ToolChoice, ToolPlan
 
@@ -298,121 +296,6 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]
-
-
-# -- responses -----------------------------------------------------------------------------------
-
-TokenText = Callable[[int], str]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage; ``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def completion_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText,
-                        text_offset: int = 0) -> dict[str, Any]:
-    """``text_offset``: where the first token starts in the choice's text (a stream's later chunks)."""
-    tokens = [token_text(lp.token_id) for lp in lps]
-    offsets, pos = [], text_offset
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text(i): v for i, v in lp.top.items()} for lp in lps],
-            "text_offset": offsets}
-
-
-def chat_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(lp.token_id, lp.logprob),
-                         "top_logprobs": [entry(i, v) for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])]}
-                        for lp in lps]}
-
-
-class ResponseBuilder:
-    """Builds the bodies of one HTTP request: the whole response, or its stream chunks.
-    ``token_text`` gives the text of one token id, for logprobs."""
-
-    def __init__(self, kind: Literal["completion", "chat"], model: str, token_text: TokenText) -> None:
-        self.kind = kind
-        self.model = model
-        self.token_text = token_text
-        self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
-        self.created = int(time.time())
-        self._text_offsets: dict[int, int] = {}  # choice index -> length of its streamed tokens' text
-
-    def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, responses: list[Response], prompt_tokens: int, cached_tokens: int = 0,
-             tools: ToolPlan | None = None) -> dict[str, Any]:
-        """``responses``: one per choice, in choice-index order. With ``tools``, a chat choice's
-        text is parsed for tool calls."""
-        out = []
-        for i, r in enumerate(responses):
-            reason = r.finish_reason.value
-            if self.kind == "completion":
-                lp = None if r.logprobs is None else completion_logprobs(r.logprobs, self.token_text)
-                out.append({"index": i, "text": r.generated_text, "logprobs": lp, "finish_reason": reason})
-            else:
-                lp = None if r.logprobs is None else chat_logprobs(r.logprobs, self.token_text)
-                message: dict[str, Any] = {"role": "assistant", "content": r.generated_text}
-                if tools is not None and tools.mode != "none":
-                    content, calls = tools.parse(r.generated_text)
-                    message["content"] = content
-                    if calls:
-                        message["tool_calls"] = [c.as_json() for c in calls]
-                        reason = "tool_calls" if reason == "stop" else reason
-                out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
-        body = self._envelope("text_completion" if self.kind == "completion" else "chat.completion")
-        body["choices"] = out
-        body["usage"] = usage(prompt_tokens, sum(r.generated_length for r in responses), cached_tokens)
-        return body
-
-    def chunk(self, index: int, text: str, finish_reason: str | None, *, first: bool, include_usage: bool,
-              logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
-        """One choice's chunk. ``logprobs``: those of the tokens since its last chunk (none: ``null``);
-        a choice's chunks together carry what the whole response would."""
-        if self.kind == "completion":
-            lp = None
-            if logprobs:
-                lp = completion_logprobs(logprobs, self.token_text, self._text_offsets.get(index, 0))
-                self._text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            body = self._envelope("text_completion")
-            body["choices"] = [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]
-        else:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text else {})
-            return self.chat_chunk(index, delta, finish_reason, include_usage=include_usage, logprobs=logprobs)
-        if include_usage:
-            body["usage"] = None
-        return body
-
-    def chat_chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None, *, include_usage: bool,
-                   logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
-        """One chat choice's chunk with this ``delta`` (content, or tool calls)."""
-        body = self._envelope("chat.completion.chunk")
-        lp = chat_logprobs(logprobs, self.token_text) if logprobs else None
-        body["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
-        if include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-        body = self._envelope("text_completion" if self.kind == "completion" else "chat.completion.chunk")
-        body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
-        return body
 
 
 def model_not_found(name: str, served: str) -> APIError:

@@ -116,10 +116,10 @@ class FastgenReplica:
 
     def info(self) -> dict[str, Any]:
         """Where this replica runs and how its engine was set up (for operators and tests)."""
-        engine = self.server.engine
+        facts = self.server.facts
         return {"replica": self.replica_id, "node": self.node_id, "pid": os.getpid(),
                 "actor_name": ray.get_runtime_context().get_actor_name(), "num_cpus": self.num_cpus,
-                "num_threads": engine.config.num_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                "num_threads": facts.num_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                 "model": self.server.model_name}
 
 

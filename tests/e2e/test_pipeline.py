@@ -90,7 +90,10 @@ def test_seed_gives_same_output_whatever_the_batch(smollm2_pipe):
     assert other.token_ids != alone.token_ids
 
 
-def test_sampling_filters_restrict_choice(smollm2_pipe):
+def test_filters_at_their_greedy_limits_give_the_greedy_text(smollm2_pipe):
+    """The limits only (top_k=1, a tiny top_p, min_p=1): each must reduce to greedy. That the filters
+    draw from the right renormalised distribution otherwise is tests/unit/test_sampling.py's
+    frequency test."""
     [greedy] = smollm2_pipe([PROMPT], max_new_tokens=8, do_sample=False, ignore_eos=True)
     [top1] = smollm2_pipe([PROMPT], max_new_tokens=8, top_k=1, seed=3, ignore_eos=True)
     [tiny_p] = smollm2_pipe([PROMPT], max_new_tokens=8, top_p=1e-6, seed=4, ignore_eos=True)
@@ -217,10 +220,15 @@ def test_caller_chosen_ids_do_not_collide_with_automatic_ones(smollm2_pipe):
     from fastgen.request import SamplingParams
 
     engine = smollm2_pipe.engine
-    taken = f"req-{next(engine._ids) + 1}"
-    engine.add_request("hi", SamplingParams(max_new_tokens=1), request_id=taken)
-    auto = engine.add_request("hi", SamplingParams(max_new_tokens=1))
-    assert auto != taken
+    params = SamplingParams(max_new_tokens=1)
+    probe = engine.add_request("hi", params)          # an automatic id shows the scheme: "req-<n>"
+    prefix, number = probe.rsplit("-", 1)
+    taken = [f"{prefix}-{int(number) + k}" for k in (1, 2, 3)]   # the next automatic ids, claimed first
+    for rid in taken:
+        engine.add_request("hi", params, request_id=rid)
+    auto = engine.add_request("hi", params)
+    assert auto not in taken and auto != probe
     while engine.has_unfinished():
         engine.step()
-    engine.response(taken), engine.response(auto)
+    for rid in (probe, *taken, auto):
+        engine.response(rid)

@@ -9,10 +9,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
 import pytest
 
+from fastgen.errors import ServerError
+from fastgen.server.health import HealthProbe, wait_healthy
 from fastgen.server.launch import free_port
 
 START_TIMEOUT_S = 240
@@ -66,20 +69,22 @@ def start_server(*args: str, env: dict | None = None) -> ServerProcess:
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, **(env or {})})
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log.name)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"fastgen serve exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            status = httpx.get(server.url + "/health", timeout=2).status_code
-            if status == 200:
-                return server
-            server.saw_loading |= status == 503
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    server.stop(signal.SIGKILL)
-    pytest.fail(f"fastgen serve not healthy after {START_TIMEOUT_S} s:\n{server.log_tail()}")
+    def note(answer: HealthProbe) -> None:
+        server.saw_loading |= answer.status_code == 503
+
+    try:
+        wait_healthy(server.url, START_TIMEOUT_S, process=proc, on_probe=note)
+    except ServerError as e:
+        server.stop(signal.SIGKILL)
+        pytest.fail(f"fastgen serve: {e}:\n{server.log_tail()}")
+    return server
+
+
+def serving(*args: str, env: dict | None = None) -> Iterator[ServerProcess]:
+    """A fixture's body: a started server, stopped at teardown, which must exit 0 (a clean drain)."""
+    srv = start_server(*args, env=env)
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
 
 
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import fastgen
 from fastgen import FinishReason, InvalidRequestError
 
-from .conftest import start_server, wait_until
+from .conftest import serving, wait_until
 
 KEY = "test-key"
 KEY2 = "second-tenant-key"
@@ -25,9 +25,7 @@ CHAT = [{"role": "user", "content": "Name three rivers in Europe."}]
 def server(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# tenants, one key per line\n\n{KEY2}\n")
-    srv = start_server("--dtype", "float32", "--num-blocks", "64", "--api-key", KEY, "--api-key-file", str(key_file))
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from serving("--dtype", "float32", "--num-blocks", "64", "--api-key", KEY, "--api-key-file", str(key_file))
 
 
 @pytest.fixture(scope="module")

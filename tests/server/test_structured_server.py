@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from .conftest import start_server
+from .conftest import serving
 
 WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -29,9 +29,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--dtype", "float32", "--num-blocks", "128")
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from serving("--dtype", "float32", "--num-blocks", "128")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pydantic
@@ -13,16 +14,18 @@ import pytest
 from fastgen.engine import EngineStats, StepOutput
 from fastgen.errors import EngineDeadError, InvalidRequestError
 from fastgen.request import FinishReason, Response, SamplingParams, Timings, TokenLogprob
-from fastgen.server.balancer import Balancer, Upstream, estimate_tokens
+from fastgen.server.balancer import Balancer, Upstream, UpstreamState, estimate_tokens
 from fastgen.server.engine_loop import EngineLoop
 from fastgen.server.errors import QueueFullError, from_invalid_request, from_validation_error
-from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest, ResponseBuilder
+from fastgen.server.protocol import PARAM_NAMES, ChatCompletionRequest, CompletionRequest
+from fastgen.server.responses import ChatBodies, CompletionBodies
 from fastgen.server.wire import response_from_json, response_to_json
 
 
 class FakeEngine:
     """Generates token 7 ("x") once per step for up to ``max_running`` requests at a time
-    (with logprob -0.5 when asked for logprobs)."""
+    (with logprob -0.5 when asked for logprobs). Satisfies fastgen.engine_protocol.StepEngine,
+    as the real Engine does (tests/unit/test_engine_protocol.py)."""
 
     def __init__(self, max_running: int = 64, step_s: float = 0.002) -> None:
         self.max_running = max_running
@@ -61,13 +64,13 @@ class FakeEngine:
         self.done[rid] = (reason, 0)
         del self.left[rid]
 
-    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> None:
-        if rid in self.left:
-            self._finish(rid, reason)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        if request_id in self.left:
+            self._finish(request_id, reason)
 
-    def response(self, rid: str) -> Response:
-        reason, _ = self.done.pop(rid)
-        return Response(request_id=rid, generated_text="", token_ids=(), prompt_length=1, generated_length=0,
+    def response(self, request_id: str) -> Response:
+        reason, _ = self.done.pop(request_id)
+        return Response(request_id=request_id, generated_text="", token_ids=(), prompt_length=1, generated_length=0,
                         finish_reason=reason, timings=Timings(None, None, (), None))
 
     def stats(self) -> EngineStats:
@@ -224,6 +227,24 @@ class FailingEngine(FakeEngine):
         return super().step()
 
 
+class HangingEngine(FakeEngine):
+    """A FakeEngine whose second step hangs until ``release`` is set (``hanging`` says it has
+    begun): a ping sent then cannot slip in between two steps, however loaded the machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_steps = 0
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def step(self) -> list[StepOutput]:
+        self.num_steps += 1
+        if self.num_steps == 2:
+            self.hanging.set()
+            self.release.wait(10)
+        return super().step()
+
+
 def test_ping_is_answered_between_steps_while_the_engine_works():
     async def body(loop):
         stream = await loop.submit([[1]], [params(10_000)])
@@ -247,14 +268,18 @@ def test_ping_fails_when_the_engine_failed_hangs_or_stopped():
 
     run_with_loop(FailingEngine(fail_at=3), failed)
 
+    hanging = HangingEngine()
+
     async def hung(loop):
         stream = await loop.submit([[1]], [params(10)])
-        await stream.__anext__()  # the engine is now inside 2 s steps
+        await stream.__anext__()
+        assert await asyncio.to_thread(hanging.hanging.wait, 5)  # the engine is inside a step that hangs
         with pytest.raises(EngineDeadError, match="did not answer within 0.2 s"):
             await loop.ping(timeout_s=0.2)
+        hanging.release.set()
         stream.close()
 
-    run_with_loop(FakeEngine(step_s=2.0), hung)
+    run_with_loop(hanging, hung)
 
     async def stopped(loop):
         loop.stop()
@@ -320,8 +345,8 @@ def test_stream_chunks_carry_the_logprobs_of_the_whole_response():
            TokenLogprob(3, -0.3, {3: -0.3}))
     r = Response(request_id="0", generated_text="abcde", token_ids=(1, 2, 3), prompt_length=1, generated_length=3,
                  finish_reason=FinishReason.LENGTH, timings=Timings(None, None, (), None), logprobs=lps)
-    for kind in ("completion", "chat"):
-        builder = ResponseBuilder(kind, "m", texts.__getitem__)
+    for kind, bodies in (("completion", CompletionBodies), ("chat", ChatBodies)):
+        builder = bodies("m", texts.__getitem__)
         whole = builder.full([r], 1)["choices"][0]["logprobs"]
         chunks = [builder.chunk(0, "ab", None, first=True, include_usage=False, logprobs=lps[:1]),
                   builder.chunk(0, "cde", "length", first=False, include_usage=False, logprobs=lps[1:]),
@@ -356,7 +381,7 @@ def test_estimate_tokens_counts_prompts_choices_and_new_tokens():
 
 def test_pick_routes_to_least_outstanding_work_among_healthy():
     a, b, c = Upstream("http://a"), Upstream("http://b"), Upstream("http://c")
-    a.state = b.state = "up"
+    a.state = b.state = UpstreamState.UP
     balancer = Balancer([a, b, c])
     a.outstanding_tokens = 500
     assert balancer.pick(set()) is b

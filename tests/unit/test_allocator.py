@@ -10,8 +10,15 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 from fastgen.cache import BlockAllocator, OutOfBlocksError
 
 
+def num_referenced(a: BlockAllocator) -> int:
+    """Blocks with a reference, counted from the reference counts: a second account, kept apart
+    from the free lists that ``num_free_blocks`` (and so ``num_used_blocks``) is derived from."""
+    return sum(1 for i in range(a.num_blocks) if a.ref_count(i) > 0)
+
+
 def snapshot(a: BlockAllocator) -> tuple[int, int]:
-    return a.num_free_blocks, a.num_used_blocks
+    """(free blocks by the free lists, referenced blocks by the reference counts)."""
+    return a.num_free_blocks, num_referenced(a)
 
 
 # -- construction ---------------------------------------------------------------------
@@ -184,8 +191,9 @@ def test_random_op_sequences_keep_accounting(num_blocks: int, ops: list[tuple[st
                 a.free(mixed)
             assert snapshot(a) == before
         held = {i for group in owned for i in group}
-        assert a.num_free_blocks + a.num_used_blocks == num_blocks
-        assert a.num_used_blocks == len(held)
+        assert all(a.ref_count(i) == 1 for i in held)
+        assert a.num_used_blocks == num_referenced(a) == len(held)
+        a.check()
     for ids in owned:
         a.free(ids)
     assert snapshot(a) == (num_blocks, 0)
@@ -247,8 +255,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not hasattr(self, "allocator"):
             return
         a = self.allocator
-        assert a.num_free_blocks + a.num_used_blocks == self.num_blocks
-        assert a.num_used_blocks == len(self.held)
+        assert all(a.ref_count(i) == 1 for i in self.held)
+        assert a.num_used_blocks == num_referenced(a) == len(self.held)
+        a.check()
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)

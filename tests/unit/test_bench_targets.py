@@ -14,7 +14,7 @@ from fastgen.bench.http_target import HTTPTarget, HTTPTargetError
 from fastgen.bench.load import ClosedLoop, Poisson, RunLimits
 from fastgen.bench.metrics import SLA, summarize
 from fastgen.bench.workload import BenchRequest
-from fastgen.engine import StepOutput
+from fastgen.engine import EngineStats, StepOutput
 from fastgen.errors import PromptTooLongError
 from fastgen.request import FinishReason
 
@@ -26,7 +26,8 @@ def requests_of(*gens: int, prompt: int = 4) -> list[BenchRequest]:
 
 
 class FakeEngine:
-    """One token per request per step after a one-step prompt; each step takes STEP_S of fake time."""
+    """One token per request per step after a one-step prompt; each step takes STEP_S of fake time.
+    Satisfies fastgen.engine_protocol.StepEngine, as the real Engine does (test_engine_protocol.py)."""
 
     def __init__(self, reject_prompt_len: int | None = None) -> None:
         self.now = 0.0
@@ -44,7 +45,7 @@ class FakeEngine:
     def sleep(self, s: float) -> None:
         self.now += s
 
-    def add_request(self, prompt, params, request_id, *, tenant=None, cache_salt=None):
+    def add_request(self, prompt, params, request_id=None, *, tenant=None, cache_salt=None):
         self.salts.append(cache_salt)
         if len(prompt) == self.reject_prompt_len:
             raise PromptTooLongError("too long", param="prompt")
@@ -69,13 +70,18 @@ class FakeEngine:
                 del self.running[rid]
         return outs
 
-    def abort(self, rid: str) -> None:
-        if rid in self.running:
-            del self.running[rid]
-            self.finished[rid] = FinishReason.ABORT
-            self.aborted.append(rid)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        if request_id in self.running:
+            del self.running[request_id]
+            self.finished[request_id] = reason
+            self.aborted.append(request_id)
 
-    def response(self, rid: str):
+    def stats(self) -> EngineStats:
+        return EngineStats(num_waiting=0, num_running=len(self.running), num_free_blocks=0, num_used_blocks=0,
+                           num_preemptions=0, last_step_prompt_tokens=0, last_step_decode_tokens=len(self.running))
+
+    def response(self, request_id: str):
+        rid = request_id
         class R:
             pass
         r = R()

@@ -1,6 +1,7 @@
 """The sampler on its own: filters, mixed batches, seeds, logprobs (no model)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fastgen.request import SamplingParams
@@ -51,3 +52,56 @@ def test_logprobs_are_of_the_model_distribution():
     assert lps[0].token_id == toks[0]
     assert abs(lps[0].logprob - ref[toks[0]].item()) < 1e-5
     assert set(lps[0].top) == set(ref.topk(3).indices.tolist())
+
+
+# -- the filters' distribution, by frequency ----------------------------------------------------
+
+PROBS = [0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02]   # a tiny vocabulary, clear gaps between tokens
+
+
+def expected_distribution(probs: list[float], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                          min_p: float = 0.0) -> dict[int, float]:
+    """The filtered, renormalised distribution as transformers defines it (temperature -> top-k ->
+    top-p -> min-p), written plainly with a sort: the reference the sampler's draws must follow."""
+    weights = [p ** (1.0 / temperature) for p in probs]
+    q = {t: w / sum(weights) for t, w in enumerate(weights)}
+    order = sorted(q, key=lambda t: -q[t])
+    if top_k:
+        order = order[:top_k]
+        total = sum(q[t] for t in order)
+        q = {t: q[t] / total for t in order}
+    if top_p < 1.0:
+        nucleus, mass = [], 0.0
+        for t in order:
+            nucleus.append(t)
+            mass += q[t]
+            if mass >= top_p:
+                break
+        order = nucleus
+    if min_p:
+        order = [t for t in order if q[t] >= min_p * max(q.values())]
+    total = sum(q[t] for t in order)
+    return {t: q[t] / total for t in order}
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=3), dict(top_p=0.75), dict(min_p=0.25),
+                                     dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.1),
+                                     dict(temperature=1.5, top_k=5, top_p=0.95)])
+def test_filtered_draws_follow_the_renormalised_distribution(filters):
+    """20,000 seeded draws of one row's filters: every kept token's frequency is within 5 standard
+    errors of its renormalised probability, and a token the filters exclude is never drawn."""
+    num_draws = 20_000
+    want = expected_distribution(PROBS, **filters)
+    assert 1 < len(want) < len(PROBS)   # the filters do something, and it is not greedy
+    logits = torch.tensor(PROBS).log().repeat(num_draws, 1)
+    params = dict(filters, top_p=filters.get("top_p", 1.0))
+    rows = [SamplingRow(SamplingParams(**params), [1], [], None, ())] * num_draws
+    tokens, _ = sample(logits, rows, torch.Generator().manual_seed(1234))
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(PROBS)).tolist()
+    for t, count in enumerate(counts):
+        if t not in want:
+            assert count == 0, f"token {t} is excluded by {filters} but was drawn {count} times"
+            continue
+        q = want[t]
+        bound = 5 * (q * (1 - q) / num_draws) ** 0.5
+        assert abs(count / num_draws - q) <= bound, (t, count / num_draws, q, filters)

@@ -198,7 +198,8 @@ class Sim:
         assert len(held) == len(set(held)), "a block is shared by two requests"
         assert all(0 <= b < self.num_blocks for b in held)
         assert len(held) == self.allocator.num_used_blocks
-        assert self.allocator.num_free_blocks + self.allocator.num_used_blocks == self.num_blocks
+        assert all(self.allocator.ref_count(b) == 1 for b in held), "a held block's reference count is off"
+        self.allocator.check()
 
     def check_finished(self) -> None:
         assert not self.scheduler.has_work()

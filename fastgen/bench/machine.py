@@ -1,0 +1,176 @@
+"""What the machine and the model allow: matmul peaks and read bandwidth (best of N), the model's
+FLOPs and weight bytes, the CPU's name, and whether other processes keep the cores busy."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from ..model.layers import Linear
+from .timing import Sizes, Summary, time_calls
+
+FLOPS_FORMULA = (
+    "FLOPs(prefill of T tokens from position 0) = 2*P_linear*T + 2*V*d*num_logits "
+    "+ 2*L*H*Dh*T*(T+1); P_linear = weights of every linear layer except the output head, "
+    "V*d = output head (lm_head or tied embedding), num_logits = 1 (the sampled token), "
+    "last term = causal attention (QK^T and PV, 2 FLOPs per multiply-add, key count t+1 for "
+    "query t); norms, RoPE, SiLU and softmax are not counted")
+WEIGHT_BYTES_FORMULA = (
+    "weight bytes read per decode step = every linear weight and bias + the output head "
+    "(lm_head or tied embedding), in the model dtype; the embedding gather, norms and KV "
+    "cache reads are not counted")
+BANDWIDTH_BOUND_RULE = (
+    "decode bound bandwidth = the highest read-only bandwidth measured (sum of a big tensor, "
+    "1 GiB or 64 MiB with --quick, fp32 and bf16, and of a tensor as large as the weights, fp32 "
+    "and model dtype); the copy is shown for reference only")
+BUSY_CPUS_WARNING = 0.25
+
+
+# -- the model's costs ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelCosts:
+    num_linear_params: int           # every linear weight except the output head
+    num_head_params: int             # vocab * hidden
+    num_attention_dims: int          # num_layers * num_heads * head_dim
+    weight_bytes: int                # read per decode step (see WEIGHT_BYTES_FORMULA)
+
+    def prefill_flops(self, num_tokens: int, num_logits: int = 1) -> float:
+        t = num_tokens
+        return (2.0 * self.num_linear_params * t + 2.0 * self.num_head_params * num_logits
+                + 2.0 * self.num_attention_dims * t * (t + 1))
+
+
+def model_costs(engine) -> ModelCosts:
+    mc = engine.model_config
+    head = engine.model.head
+    linear_params = linear_bytes = 0
+    for module in engine.model.modules():
+        if not isinstance(module, Linear) or module is head:
+            continue
+        linear_params += module.num_params
+        linear_bytes += module.stream_bytes
+    return ModelCosts(num_linear_params=linear_params, num_head_params=head.num_params,
+                      num_attention_dims=mc.num_layers * mc.num_heads * mc.head_dim,
+                      weight_bytes=linear_bytes + head.stream_bytes)
+
+
+# -- machine limits -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatmulPeak:
+    dtype: str
+    n: int
+    gflops: float                    # best of N
+    median_gflops: float
+    times: Summary
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    kind: str                        # "sum (read)" or "copy (read + write)"
+    label: str
+    dtype: str
+    bytes: int                       # bytes moved per call
+    gbps: float                      # best of N
+    times: Summary
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    num_threads: int
+    matmul: Mapping[str, MatmulPeak]  # by str(dtype)
+    bandwidth: tuple[Bandwidth, ...]  # the reads, then the copy
+    decode_bound_gbps: float          # see BANDWIDTH_BOUND_RULE
+    bandwidth_rule: str = BANDWIDTH_BOUND_RULE
+
+
+def measure_matmul(dtype: torch.dtype, n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    out = torch.empty(n, n, dtype=dtype, device=device)
+    with torch.inference_mode():
+        times = time_calls(lambda: torch.matmul(a, b, out=out), device, num_warmup=2,
+                           num_repeats=4 * sizes.num_repeats, max_s=sizes.max_measure_s,
+                           desc=f"matmul {dtype}")
+    flops = 2.0 * n ** 3
+    return MatmulPeak(str(dtype), n, flops / min(times) / 1e9, flops / statistics.median(times) / 1e9,
+                      Summary.of(times))
+
+
+def measure_read(num_bytes: int, dtype: torch.dtype, device: torch.device, sizes: Sizes,
+                 label: str) -> Bandwidth:
+    """Read bandwidth: ``x.sum()`` over ``num_bytes`` of ``dtype``; bytes moved = num_bytes."""
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    x = torch.ones(num_bytes // elem_bytes, dtype=dtype, device=device)
+    with torch.inference_mode():
+        times = time_calls(x.sum, device, num_warmup=1, num_repeats=3 * sizes.num_repeats,
+                           max_s=sizes.max_measure_s, desc=f"read {label}")
+    moved = x.numel() * elem_bytes
+    return Bandwidth("sum (read)", label, str(dtype), moved, moved / min(times) / 1e9, Summary.of(times))
+
+
+def measure_copy(num_bytes: int, device: torch.device, sizes: Sizes) -> Bandwidth:
+    """Copy bandwidth of fp32: bytes moved = 2 * num_bytes (read source + write destination)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    with torch.inference_mode():
+        times = time_calls(lambda: dst.copy_(src), device, num_warmup=1,
+                           num_repeats=3 * sizes.num_repeats, max_s=sizes.max_measure_s, desc="copy")
+    moved = 2 * src.numel() * 4
+    return Bandwidth("copy (read + write)", "big fp32", "torch.float32", moved, moved / min(times) / 1e9,
+                     Summary.of(times))
+
+
+def measure_machine(engine, costs: ModelCosts, sizes: Sizes) -> MachineLimits:
+    device, dtype = engine.config.device, engine.config.dtype
+    matmul_dtypes = list(dict.fromkeys([torch.bfloat16, torch.float32, dtype]))
+    matmul = {str(d): measure_matmul(d, sizes.matmul_n, device, sizes) for d in matmul_dtypes}
+    reads = [measure_read(sizes.bandwidth_bytes, torch.float32, device, sizes, "big fp32"),
+             measure_read(sizes.bandwidth_bytes, torch.bfloat16, device, sizes, "big bf16"),
+             measure_read(costs.weight_bytes, torch.float32, device, sizes, "weight-sized fp32")]
+    if dtype != torch.float32:
+        reads.append(measure_read(costs.weight_bytes, dtype, device, sizes, f"weight-sized {dtype}"))
+    copy = measure_copy(sizes.bandwidth_bytes, device, sizes)
+    return MachineLimits(torch.get_num_threads(), matmul, (*reads, copy), max(r.gbps for r in reads))
+
+
+# -- the host -------------------------------------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def busy_cpus(interval_s: float = 0.5) -> float | None:
+    """CPUs kept busy by other processes during ``interval_s`` while this one sleeps (Linux).
+
+    Other work on the cores makes every figure meaningless: the engine's threads wait on
+    each other, and one forward can take ten times longer."""
+    def snapshot() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user .. steal
+        return sum(ticks), ticks[3] + ticks[4]                    # total, idle + iowait
+
+    try:
+        total0, idle0 = snapshot()
+        time.sleep(interval_s)
+        total1, idle1 = snapshot()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total else 0.0
+
+
+def warn_if_busy(busy: float | None, when: str) -> None:
+    if busy is not None and busy > BUSY_CPUS_WARNING:
+        print(f"   warning: other processes kept {busy:.1f} CPUs busy {when}; the numbers are noisy")
