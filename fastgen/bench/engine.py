@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from ..calibrate import calibrate_engine_budget
 from ..config import DEFAULT_TARGET_ITL_MS
 from ..engine import Engine
-from ..model.layers import Linear
+from ..parallel.replica import weight_bytes
 from ..request import SamplingParams
 from .engine_report import (Goal, goals, plot_curve, print_curve, print_decode, print_goals, print_machine,
                             print_overhead, print_prefill)
@@ -132,7 +132,7 @@ def run_meta(args: argparse.Namespace, engine: Engine, sizes: Sizes, costs: Mode
         block_size=cfg.cache.block_size, quick=args.quick, do_sample=args.do_sample, sizes=sizes,
         model_costs=costs, time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), isa=host_isa(), kernels=cfg.kernels,
         quantization=cfg.quantization,
-        resident_weight_bytes=sum(m.resident_bytes for m in engine.model.modules() if isinstance(m, Linear)),
+        resident_weight_bytes=weight_bytes(engine.model),   # every weight once, the embedding included
         calibrated_budget=None if engine.budget_choice is None else asdict(engine.budget_choice))
 
 
