@@ -78,8 +78,28 @@ inline void dequant_rows(const uint8_t* qw, const float* scales, const float* mi
     for (int64_t g = 0; g < groups; ++g) {
       const float s = sc[g], m = mn != nullptr ? mn[g] : 0.f;
       T* o = out + g * 32;
-#if defined(__AVX512F__)
-      // 32 weights as two vectors of 16 (the scalar loop below ran at ~2 cycles a weight)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if (kind == 4) {
+        // the group's 16 possible values q * scale + min (q = 0..15) computed once, then each
+        // nibble looks its value up (vpermps / vpermw): half the work of converting 32
+        // nibbles; the same two roundings, so the same values
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                         _mm512_set1_ps(s)), _mm512_set1_ps(m));
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16));
+        if constexpr (std::is_same_v<T, float>) {
+          const __m512i b = _mm512_cvtepu8_epi32(bytes);
+          _mm512_storeu_ps(o, _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)), table));
+          _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table));
+        } else {
+          const __m512i words = _mm512_castsi256_si512(bf16_vec(table));
+          const __m256i b = _mm256_cvtepu8_epi16(bytes);
+          const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0xF))),
+                                                 _mm256_srli_epi16(b, 4), 1);
+          _mm512_storeu_si512(o, _mm512_permutexvar_epi16(idx, words));
+        }
+        continue;
+      }
+      // 8-bit weights: 32 as two vectors of 16 (a scalar loop ran at ~2 cycles a weight)
       __m512 lo, hi;
       if (kind == 4) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)));
