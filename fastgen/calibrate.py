@@ -83,14 +83,15 @@ def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: in
     return h.hexdigest()[:16]
 
 
-def measure_curve(model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+def measure_curve(model: torch.nn.Module, *, model_config, num_kv_heads: int,
                   block_size: int, dtype: torch.dtype, device: torch.device, ladder: tuple[int, ...] = LADDER,
                   max_tokens: int | None = None, progress: Callable[[int], None] | None = None,
                   ) -> list[tuple[int, float]]:
     """Median forward ms of one fresh chunk of ``n`` tokens, for each ``n`` of ``ladder``."""
     sizes = [n for n in ladder if max_tokens is None or n <= max_tokens]
-    pool = KVPool(num_layers=num_layers, num_blocks=math.ceil(max(sizes) / block_size), block_size=block_size,
-                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    vocab_size = model_config.vocab_size
+    pool = KVPool.for_model(model_config, num_kv_heads=num_kv_heads, num_blocks=math.ceil(max(sizes) / block_size),
+                            block_size=block_size, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(0)
     curve = []
     t_start = time.perf_counter()
@@ -150,8 +151,6 @@ def calibrate_engine_budget(model: torch.nn.Module, model_config, config, target
     """:func:`calibrate_budget` for a loaded model and its resolved ``EngineConfig``."""
     return calibrate_budget(
         model, model_path=config.model_path, target_itl_ms=target_itl_ms, kernels=config.kernels,
-        num_threads=config.num_threads, max_tokens=config.max_model_len, num_layers=model_config.num_layers,
-        tensor_parallel_size=config.tensor_parallel_size,
-        num_kv_heads=local_kv_heads(model, model_config), head_dim=model_config.head_dim,
-        vocab_size=model_config.vocab_size, block_size=config.cache.block_size, dtype=config.dtype,
-        device=config.device)
+        num_threads=config.num_threads, max_tokens=config.max_model_len, model_config=model_config,
+        tensor_parallel_size=config.tensor_parallel_size, num_kv_heads=local_kv_heads(model, model_config),
+        block_size=config.cache.block_size, dtype=config.dtype, device=config.device)

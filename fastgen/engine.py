@@ -107,9 +107,8 @@ class Engine:
         rank holds, head dim, dtype, device, block size): the engine's own, or a private one for
         direct forwards (evaluation, benchmarks) that leaves the engine's blocks alone."""
         mc, cfg = self.model_config, self.config
-        return KVPool(num_layers=mc.num_layers, num_blocks=num_blocks, block_size=cfg.cache.block_size,
-                      num_kv_heads=local_kv_heads(self.model, mc), head_dim=mc.head_dim, dtype=cfg.dtype,
-                      device=cfg.device)
+        return KVPool.for_model(mc, num_kv_heads=local_kv_heads(self.model, mc), num_blocks=num_blocks,
+                                block_size=cfg.cache.block_size, dtype=cfg.dtype, device=cfg.device)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":

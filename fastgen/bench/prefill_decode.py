@@ -60,13 +60,13 @@ def bench_prefill(engine, costs: ModelCosts, sizes: Sizes, matmul_gflops: float,
     num_tokens = min(sizes.prefill_tokens, engine.config.max_model_len - 1)
     budget = engine.config.scheduler.budget_tokens
     max_steps = math.ceil(num_tokens / budget) + 2
-    prompt = random_prompt(rng, engine.model_config.vocab_size, num_tokens)
     params = SamplingParams(max_new_tokens=1, do_sample=False, ignore_eos=True)
     step_s, forward_s, num_steps = [], [], 0
     deadline = time.perf_counter() + sizes.max_measure_s * 2
     with timed_forward(engine) as fwd:
         for i in tqdm(range(1 + sizes.num_repeats), desc="prefill", leave=False, disable=None):
-            rid = engine.add_request(prompt, params)
+            # a fresh prompt each run: a repeated one would be served from the prefix cache
+            rid = engine.add_request(random_prompt(rng, engine.model_config.vocab_size, num_tokens), params)
             fwd.times_s.clear()
             t0 = time.perf_counter()
             for num_steps in range(1, max_steps + 1):

@@ -20,6 +20,15 @@ class KVPool:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    @classmethod
+    def for_model(cls, config, *, num_kv_heads: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> "KVPool":
+        """The one place a model's numbers become a pool's shape: ``config.num_layers`` layers
+        (a ModelConfig's) of ``[num_blocks, block_size, num_kv_heads, config.head_dim]``;
+        ``num_kv_heads`` is what this rank holds (all of them without tensor parallelism)."""
+        return cls(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
+                   num_kv_heads=num_kv_heads, head_dim=config.head_dim, dtype=dtype, device=device)
+
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
