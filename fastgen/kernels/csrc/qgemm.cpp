@@ -51,8 +51,12 @@ inline uint16_t to_bf16(float v) {   // round to nearest even, as c10::BFloat16 
 }
 
 #if defined(__AVX512F__)
-// 16 fp32 -> 16 bf16, round to nearest even (to_bf16 in integer ops, so that AVX512F is enough)
+// 16 fp32 -> 16 bf16, round to nearest even: one vcvtneps2bf16 where AVX512-BF16 exists (it
+// reads fp32 denormals as zero, which q * scale never gives), else to_bf16 in integer ops
 inline __m256i bf16_vec(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
