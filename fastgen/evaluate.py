@@ -86,7 +86,7 @@ def agreement(got: list[tuple[int, ...]], want: list[tuple[int, ...]]) -> tuple[
 
 def evaluate(model: str | None, modes: tuple[str, ...], num_tokens: int, max_new_tokens: int,
              window: int = 256, **engine_options) -> list[Quality]:
-    from .parallel.replica import weight_bytes
+    from .model.layers import weight_bytes
     from .pipeline import pipeline
 
     results = []

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from ..calibrate import calibrate_engine_budget
 from ..config import DEFAULT_TARGET_ITL_MS
 from ..engine import Engine
-from ..parallel.replica import weight_bytes
+from ..model.layers import weight_bytes
 from ..request import SamplingParams
 from .engine_report import (Goal, goals, plot_curve, print_curve, print_decode, print_goals, print_machine,
                             print_overhead, print_prefill)

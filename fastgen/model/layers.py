@@ -257,3 +257,32 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights ``model`` holds: each linear layer's format (quantized rows, dense
+    and packed copies), a quantized embedding unless it shares the head's rows, and every other
+    parameter (embedding, norms), each tensor once."""
+    from .quant import QuantEmbedding
+
+    seen: set[int] = set()
+    total = 0
+    quant_rows: set[int] = set()    # data pointers of quantized rows held by linear formats
+    for m in model.modules():
+        if isinstance(m, Linear):
+            total += m.resident_bytes
+            fmt = getattr(m.format, "inner", m.format)     # a tensor-parallel format wraps its own
+            rows = getattr(fmt, "quant", None)
+            if rows is not None:
+                quant_rows.add(rows.qweight.data_ptr())
+            if m.format is not None and m.format.name != "dense":
+                continue            # its parameter is an empty placeholder or the shared embedding
+            seen.update(id(p) for p in m.parameters(recurse=False))
+    for m in model.modules():
+        if isinstance(m, QuantEmbedding) and m.rows.qweight.data_ptr() not in quant_rows:
+            total += m.num_bytes
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total

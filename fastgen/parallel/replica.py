@@ -20,6 +20,7 @@ from ..batch import RaggedBatch
 from ..cache import KVPool
 from ..config import EngineConfig
 from ..errors import ModelLoadError, RankFailedError
+from ..model.layers import weight_bytes
 from . import group as groups
 from .group import OP_MEMORY, OP_STOP, TPGroup
 from .shard import Shard, shard_plan
@@ -62,36 +63,6 @@ class TensorParallelModel(nn.Module):
         are ``pools``)."""
         return self.group.ask_memory({"weight_bytes": weight_bytes(self.local),
                                       "kv_bytes": sum(p.num_bytes for p in pools)})
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights ``model`` holds: each linear layer's format (quantized rows, dense
-    and packed copies), a quantized embedding unless it shares the head's rows, and every other
-    parameter (embedding, norms), each tensor once."""
-    from ..model.layers import Linear
-    from ..model.quant import QuantEmbedding
-
-    seen: set[int] = set()
-    total = 0
-    quant_rows: set[int] = set()    # data pointers of quantized rows held by linear formats
-    for m in model.modules():
-        if isinstance(m, Linear):
-            total += m.resident_bytes
-            fmt = getattr(m.format, "inner", m.format)     # a tensor-parallel format wraps its own
-            rows = getattr(fmt, "quant", None)
-            if rows is not None:
-                quant_rows.add(rows.qweight.data_ptr())
-            if m.format is not None and m.format.name != "dense":
-                continue            # its parameter is an empty placeholder or the shared embedding
-            seen.update(id(p) for p in m.parameters(recurse=False))
-    for m in model.modules():
-        if isinstance(m, QuantEmbedding) and m.rows.qweight.data_ptr() not in quant_rows:
-            total += m.num_bytes
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
 
 
 def _load(path: str, config: EngineConfig, group: TPGroup, hf_config=None) -> tuple[nn.Module, list[Shard]]:

@@ -8,6 +8,7 @@ the response bodies (responses.py), and how a stream is written (chat with tools
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, ClassVar, Iterator
 
@@ -43,12 +44,13 @@ class Prepared:
     tools: ToolPlan | None = None
 
 
-class OpenAIEndpoint:
+class OpenAIEndpoint(ABC):
     request_model: ClassVar[type[_GenerationRequest]]
     bodies: ClassVar[type[ResponseBodies]]
 
+    @abstractmethod
     async def prepare(self, server: "Server", req: Any) -> Prepared:
-        raise NotImplementedError
+        """The endpoint's request turned into prompts, limits and the output constraint."""
 
     def events(self, stream: Stream, bodies: Any, n: int, include_usage: bool,
                tools: ToolPlan | None) -> AsyncIterator[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
 
 from ..request import FinishReason, Response, TokenLogprob
@@ -55,7 +56,7 @@ def chat_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText) -> dict[
                         for lp in lps]}
 
 
-class ResponseBodies:
+class ResponseBodies(ABC):
     """The bodies of one HTTP request: the whole response, or its stream chunks.
     ``token_text`` gives the text of one token id, for logprobs."""
 
@@ -81,14 +82,15 @@ class ResponseBodies:
         body["usage"] = usage(prompt_tokens, sum(r.generated_length for r in responses), cached_tokens)
         return body
 
+    @abstractmethod
     def full_choice(self, index: int, r: Response, tools: ToolPlan | None) -> dict[str, Any]:
-        raise NotImplementedError
+        """One choice of the whole (non-streamed) body."""
 
+    @abstractmethod
     def chunk(self, index: int, text: str, finish_reason: Reason, *, first: bool, include_usage: bool,
               logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
         """One choice's chunk. ``logprobs``: those of the tokens since its last chunk (none: ``null``);
         a choice's chunks together carry what the whole response would."""
-        raise NotImplementedError
 
     def _chunk_body(self, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
         body = self._envelope(self.chunk_object)
