@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # every source of the extension (qgemm.cpp: quantized weights times many rows)
 SOURCES = (SOURCE, SOURCE.with_name("qgemm.cpp"))
+HEADERS = (SOURCE.with_name("quant_rows.h"),)   # included by the sources: part of the build key
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -45,7 +46,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
 def build_name() -> str:
     """Extension name: changes with the source, the flags, torch and the CPU's ISA (``-march=native``)."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())

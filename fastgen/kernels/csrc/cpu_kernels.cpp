@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quant_rows.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -998,14 +1000,19 @@ inline void bf16_x_pairs(const at::BFloat16* xr, int64_t k, uint16_t* xp) {
     }
 }
 
+// vpermw table: word q (0..15) holds q as bf16, exactly (0, 1.0, 2.0, ... 15.0)
+inline __m512i nibble_bf16_table() {
+  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+}
+
 template <int RN>
 inline void qrow4_bf16(const uint8_t* wr, const float* sc, const uint16_t* const* xp, int64_t pairs,
                        float* totals) {
   __m512 acc[RN], acc2[RN];
   for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps(), acc2[r] = _mm512_setzero_ps();
-  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                         0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i table = nibble_bf16_table();
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t p = 0; p < pairs; ++p) {
@@ -1034,9 +1041,7 @@ inline void qrow4_bf16_quads(const uint8_t* wr, const float* sc, const uint16_t*
                              float* totals) {
   __m512 acc[RN], acc2[RN];
   for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps(), acc2[r] = _mm512_setzero_ps();
-  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                         0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i table = nibble_bf16_table();
   const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   for (int64_t q = 0; q < quads; ++q) {
     const __m512i b = _mm512_loadu_si512(wr + q * 64);
@@ -1195,19 +1200,9 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
 
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& mins, int64_t kind, bool act_int8) {
-  TORCH_CHECK(kind == 4 || kind == 8, "qgemv: kind must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
-              "qgemv: x [m, k], qw [n, k/2 or k] uint8");
+  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemv: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
-  TORCH_CHECK(k % 32 == 0 && qw.size(1) == (kind == 4 ? k / 2 : k), "qgemv: k must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * (k / 32),
-              "qgemv: scales [n, k/32] fp32");
-  const float* mp = nullptr;
-  if (mins.has_value() && mins->defined()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == n * (k / 32),
-                "qgemv: mins [n, k/32] fp32");
-    mp = mins->data_ptr<float>();
-  }
+  const float* mp = check_quant_rows("qgemv", qw, scales, mins, kind, k);
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, xc.options());
   AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemv",

@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quant_rows.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -239,57 +241,45 @@ inline void store_block(const float* acc, int64_t m, int nc, T* y, int64_t n, in
 }
 
 #if defined(__AVX512F__)
-// one block of MB rows x one panel: H halves of 16 rows (H = 1 when at most 16 rows are
-// left), NR output features, 2 * NR (or NR) accumulators in registers; fp32
-template <int H>
-inline void micro_f32(const float* a, const float* w, int64_t k, float* out) {
-  __m512 acc0[NR], acc1[NR], acc2[NR], acc3[NR];
-  for (int c = 0; c < NR; ++c)
-    acc0[c] = _mm512_setzero_ps(), acc1[c] = acc0[c], acc2[c] = acc0[c], acc3[c] = acc0[c];
-  for (int64_t j = 0; j < k; ++j) {
-    const __m512 x0 = _mm512_load_ps(a + j * MB);
-    const __m512 x1 = H > 1 ? _mm512_load_ps(a + j * MB + 16) : x0;
-    const __m512 x2 = H > 2 ? _mm512_load_ps(a + j * MB + 32) : x0;
-    const __m512 x3 = H > 3 ? _mm512_load_ps(a + j * MB + 48) : x0;
-    for (int c = 0; c < NR; ++c) {
-      const __m512 wv = _mm512_set1_ps(w[c * k + j]);
-      acc0[c] = _mm512_fmadd_ps(x0, wv, acc0[c]);
-      if (H > 1) acc1[c] = _mm512_fmadd_ps(x1, wv, acc1[c]);
-      if (H > 2) acc2[c] = _mm512_fmadd_ps(x2, wv, acc2[c]);
-      if (H > 3) acc3[c] = _mm512_fmadd_ps(x3, wv, acc3[c]);
-    }
-  }
-  for (int c = 0; c < NR; ++c) {
-    _mm512_storeu_ps(out + c * MB, acc0[c]);
-    if (H > 1) _mm512_storeu_ps(out + c * MB + 16, acc1[c]);
-    if (H > 2) _mm512_storeu_ps(out + c * MB + 32, acc2[c]);
-    if (H > 3) _mm512_storeu_ps(out + c * MB + 48, acc3[c]);
-  }
-}
+// What one micro-kernel step multiplies: FMA over one k of fp32 values, or vdpbf16ps over a
+// pair of k of bf16 values (held as 32-bit words). x's block is [steps][MB], the panel
+// [NR][steps], so a step loads its rows' values as vectors and broadcasts each weight.
+struct Fp32Step {
+  using Word = float;
+  using Vec = __m512;
+  static Vec load(const Word* p) { return _mm512_load_ps(p); }
+  static Vec broadcast(Word w) { return _mm512_set1_ps(w); }
+  static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+#if defined(__AVX512BF16__)
+struct Bf16PairStep {
+  using Word = uint32_t;
+  using Vec = __m512bh;
+  static Vec load(const Word* p) { return (__m512bh)_mm512_load_si512(p); }
+  static Vec broadcast(Word w) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(w)); }
+  static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// the same for bf16: per step a pair of k, vdpbf16ps (products of bf16 pairs summed in fp32)
-template <int H>
-inline void micro_bf16(const at::BFloat16* a, const at::BFloat16* w, int64_t k, float* out) {
-  const uint32_t* as = reinterpret_cast<const uint32_t*>(a);
-  const uint32_t* ws = reinterpret_cast<const uint32_t*>(w);
-  const int64_t kp = k / 2;
+// one block of MB rows x one panel: H vectors of 16 rows (fewer than HM only in the last
+// block), NR output features, H * NR accumulators in registers; out [NR][MB] fp32
+template <int H, typename S>
+inline void micro(const typename S::Word* a, const typename S::Word* w, int64_t steps, float* out) {
   // named arrays, not acc[NR][H]: with H = 1 GCC kept that one in memory (a store per FMA)
   __m512 acc0[NR], acc1[NR], acc2[NR], acc3[NR];
   for (int c = 0; c < NR; ++c)
     acc0[c] = _mm512_setzero_ps(), acc1[c] = acc0[c], acc2[c] = acc0[c], acc3[c] = acc0[c];
-  for (int64_t j = 0; j < kp; ++j) {
-    const __m512bh x0 = (__m512bh)_mm512_load_si512(as + j * MB);
-    const __m512bh x1 = H > 1 ? (__m512bh)_mm512_load_si512(as + j * MB + 16) : x0;
-    const __m512bh x2 = H > 2 ? (__m512bh)_mm512_load_si512(as + j * MB + 32) : x0;
-    const __m512bh x3 = H > 3 ? (__m512bh)_mm512_load_si512(as + j * MB + 48) : x0;
+  for (int64_t j = 0; j < steps; ++j) {
+    const auto x0 = S::load(a + j * MB);
+    const auto x1 = H > 1 ? S::load(a + j * MB + 16) : x0;
+    const auto x2 = H > 2 ? S::load(a + j * MB + 32) : x0;
+    const auto x3 = H > 3 ? S::load(a + j * MB + 48) : x0;
     for (int c = 0; c < NR; ++c) {
-      const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(ws[c * kp + j]));
-      acc0[c] = _mm512_dpbf16_ps(acc0[c], x0, wv);
-      if (H > 1) acc1[c] = _mm512_dpbf16_ps(acc1[c], x1, wv);
-      if (H > 2) acc2[c] = _mm512_dpbf16_ps(acc2[c], x2, wv);
-      if (H > 3) acc3[c] = _mm512_dpbf16_ps(acc3[c], x3, wv);
+      const auto wv = S::broadcast(w[c * steps + j]);
+      acc0[c] = S::madd(acc0[c], x0, wv);
+      if (H > 1) acc1[c] = S::madd(acc1[c], x1, wv);
+      if (H > 2) acc2[c] = S::madd(acc2[c], x2, wv);
+      if (H > 3) acc3[c] = S::madd(acc3[c], x3, wv);
     }
   }
   for (int c = 0; c < NR; ++c) {
@@ -299,7 +289,6 @@ inline void micro_bf16(const at::BFloat16* a, const at::BFloat16* w, int64_t k, 
     if (H > 3) _mm512_storeu_ps(out + c * MB + 48, acc3[c]);
   }
 }
-#else
 #endif
 
 // f(std::integral_constant<int, H>) for H = h in 1..HM (the micro-kernels take H at compile time)
@@ -347,19 +336,21 @@ void qgemm_impl(const T* x, const uint8_t* qw, const float* scales, const float*
         const T* a = xa + b * MB * k;
         // vectors of 16 rows this block needs (fewer than HM only in the last block)
         const int h = static_cast<int>(std::min<int64_t>(HM, (m - b * MB + 15) / 16));
-        bool done = false;
         if constexpr (std::is_same_v<T, at::BFloat16>) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-          by_h(h, [&](auto hh) { micro_bf16<decltype(hh)::value>(a, w.data(), k, acc); });
-          done = true;
+          const auto* aw = reinterpret_cast<const uint32_t*>(a);
+          const auto* ww = reinterpret_cast<const uint32_t*>(w.data());
+          by_h(h, [&](auto hh) { micro<decltype(hh)::value, Bf16PairStep>(aw, ww, k / 2, acc); });
+#else
+          micro_generic<T>(a, w.data(), k, acc);
 #endif
         } else {
 #if defined(__AVX512F__)
-          by_h(h, [&](auto hh) { micro_f32<decltype(hh)::value>(a, w.data(), k, acc); });
-          done = true;
+          by_h(h, [&](auto hh) { micro<decltype(hh)::value, Fp32Step>(a, w.data(), k, acc); });
+#else
+          micro_generic<T>(a, w.data(), k, acc);
 #endif
         }
-        if (!done) micro_generic<T>(a, w.data(), k, acc);
         store_block<T>(acc, m, nc, y, n, b * MB, o0, bias);
       }
     }
@@ -368,20 +359,9 @@ void qgemm_impl(const T* x, const uint8_t* qw, const float* scales, const float*
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& mins, int64_t kind, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind == 4 || kind == 8, "qgemm: kind must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
-              "qgemm: x [m, k], qw [n, k/2 or k] uint8");
+  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemm: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
-  TORCH_CHECK(k % 32 == 0 && qw.size(1) == (kind == 4 ? k / 2 : k), "qgemm: k must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * (k / 32),
-              "qgemm: scales [n, k/32] fp32");
-  const float* mp = nullptr;
-  if (mins.has_value() && mins->defined()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == n * (k / 32),
-                "qgemm: mins [n, k/32] fp32");
-    mp = mins->data_ptr<float>();
-  }
-  TORCH_CHECK(kind == 8 || mp != nullptr, "qgemm: 4-bit rows need their mins");
+  const float* mp = check_quant_rows("qgemm", qw, scales, mins, kind, k);
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     bf = bias->to(at::kFloat).contiguous();
@@ -405,15 +385,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
 // the values the dense embedding held (q * scale + min, rounded to dtype), without holding it
 at::Tensor qembed(const at::Tensor& ids, const at::Tensor& qw, const at::Tensor& scales,
                   const c10::optional<at::Tensor>& mins, int64_t kind, at::ScalarType dtype) {
-  TORCH_CHECK(kind == 4 || kind == 8, "qembed: kind must be 4 or 8");
-  TORCH_CHECK(ids.dim() == 1 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
-              "qembed: ids [t], qw [vocab, k/2 or k] uint8");
+  TORCH_CHECK(ids.dim() == 1 && qw.dim() == 2, "qembed: ids [t], qw [vocab, k/2 or k]");
   const int64_t vocab = qw.size(0), k = qw.size(1) * (kind == 4 ? 2 : 1), t = ids.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == vocab * (k / 32),
-              "qembed: scales [vocab, k/32] fp32");
-  const float* mp = nullptr;
-  if (mins.has_value() && mins->defined()) mp = mins->data_ptr<float>();
-  TORCH_CHECK(kind == 8 || mp != nullptr, "qembed: 4-bit rows need their mins");
+  const float* mp = check_quant_rows("qembed", qw, scales, mins, kind, k);
   at::Tensor idx = ids.to(at::kLong).contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i)
