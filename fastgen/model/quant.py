@@ -10,8 +10,8 @@ GGUF files as shipped and the int8 / int4 modes of HF checkpoints alike.
 streams the quantized rows (4.5 to 8.5 bits a weight instead of bf16's 16; products summed
 in fp32 from the exact quantized values); more rows (prompt chunks, decode batches) go
 through ``qgemm``, which dequantizes a few output features at a time in cache. No dense
-copy is held: the model's resident weights are the rows (about 1.2x a Q4_1 file: the
-scales and minima are kept in fp32). :class:`QuantEmbedding` does the same for a tied
+copy is held: the model's resident weights are the rows, the scales and minima in fp16 as
+GGUF ships them (a Q4_1 file's own size). :class:`QuantEmbedding` does the same for a tied
 embedding.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ class QuantRows:
 
     kind: int
     qweight: torch.Tensor
-    scales: torch.Tensor            # [rows, k/32] fp32
-    mins: torch.Tensor | None       # [rows, k/32] fp32 (kind 4)
+    scales: torch.Tensor            # [rows, k/32] fp16
+    mins: torch.Tensor | None       # [rows, k/32] fp16 (kind 4)
 
     @property
     def num_bytes(self) -> int:
@@ -50,10 +50,10 @@ class QuantRows:
         rows = self.qweight.shape[0]
         if self.kind == 8:
             q = self.qweight.view(torch.int8).float().view(rows, -1, GROUP)
-            return (q * self.scales[..., None]).reshape(rows, -1)
+            return (q * self.scales.float()[..., None]).reshape(rows, -1)
         b = self.qweight.view(rows, -1, GROUP // 2)
         q = torch.cat([b & 0xF, b >> 4], dim=-1).float()                # [rows, groups, 32]
-        return (q * self.scales[..., None] + self.mins[..., None]).reshape(rows, -1)
+        return (q * self.scales.float()[..., None] + self.mins.float()[..., None]).reshape(rows, -1)
 
     def rows(self, start: int, stop: int) -> "QuantRows":
         """Output rows ``start:stop`` (a fused layer's part, a tensor-parallel rank's share)."""
@@ -90,18 +90,18 @@ def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
     rows = raw.shape[0]
     if qtype == "Q8_0":
         blk = raw.reshape(rows, -1, 34)
-        scales = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
         q = np.ascontiguousarray(blk[..., 2:]).reshape(rows, -1)
         return QuantRows(8, torch.from_numpy(q.copy()), torch.from_numpy(scales), None)
     if qtype == "Q4_1":
         blk = raw.reshape(rows, -1, 20)
-        scales = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        mins = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
+        mins = blk[..., 2:4].copy().view(np.float16)[..., 0]
         qs = blk[..., 4:]
     elif qtype == "Q4_0":
         blk = raw.reshape(rows, -1, 18)
-        scales = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        mins = -8.0 * scales
+        scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
+        mins = (-8.0 * scales.astype(np.float32)).astype(np.float16)   # exact: a power of two
         qs = blk[..., 2:]
     else:
         raise ValueError(f"GGUF type {qtype} is not kept quantized; kept: {GGUF_QUANT_TYPES}")
@@ -109,22 +109,32 @@ def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
     return QuantRows(4, torch.from_numpy(q.copy()), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
+def _half_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The least fp16 value >= each of ``x`` (fp32): a scale rounded to fp16 never shrinks a
+    group's range, so no weight is clamped and every error stays within half a step."""
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
 def quantize(weight: torch.Tensor, bits: int) -> QuantRows:
     """Quantize ``weight [rows, k]`` (k a multiple of 32) per group of 32: int8 symmetric
-    (Q8_0's scheme) or int4 asymmetric (Q4_1's scheme), scales in fp32."""
+    (Q8_0's scheme) or int4 asymmetric (Q4_1's scheme); scales and minima in fp16, as GGUF
+    keeps them, and the weights quantized against those fp16 values."""
     w = weight.detach().float().cpu()
     rows, k = w.shape
     g = w.view(rows, k // GROUP, GROUP)
     if bits == 8:
-        scales = g.abs().amax(-1) / 127.0
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scales = _half_at_least(g.abs().amax(-1) / 127.0)     # no weight past q = +-127
+        s = scales.float()
+        safe = torch.where(s > 0, s, torch.ones_like(s))
         q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
         return QuantRows(8, q.view(rows, k).view(torch.uint8).contiguous(), scales.contiguous(), None)
     if bits == 4:
-        lo, hi = g.amin(-1), g.amax(-1)
-        scales = (hi - lo) / 15.0
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
+        lo = -_half_at_least(-g.amin(-1))                       # fp16 at or below the group's least
+        scales = _half_at_least((g.amax(-1) - lo.float()) / 15.0)   # and lo + 15 * scale above its most
+        s = scales.float()
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q = ((g - lo.float()[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
         packed = (q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)).reshape(rows, k // 2).contiguous()
         return QuantRows(4, packed, scales.contiguous(), lo.contiguous())
     raise ValueError(f"bits must be 8 or 4, got {bits}")
@@ -157,8 +167,8 @@ class QuantWeight:
     MAX_QGEMV_ROWS_8BIT = 8
 
     def __init__(self, quant: QuantRows, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
-        self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.float().contiguous(),
-                               None if quant.mins is None else quant.mins.float().contiguous())
+        self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.half().contiguous(),
+                               None if quant.mins is None else quant.mins.half().contiguous())
         self.bias = bias
         self._bias_f32 = None if bias is None else bias.float().contiguous()
         self.max_qgemv_rows = self.MAX_QGEMV_ROWS_8BIT if quant.kind == 8 else self.MAX_QGEMV_ROWS

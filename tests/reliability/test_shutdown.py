@@ -66,7 +66,13 @@ def _drain_and_cut(srv) -> None:
               for o in short_streams] + [threading.Thread(target=one_plain) for _ in range(3)]
     for t in shorts:
         t.start()
-    assert wait_until(lambda: srv.metrics().get("fastgen_requests_running", 0) >= 10, timeout_s=20, interval_s=0.01)
+    def reached_engine() -> float:  # running, waiting or already finished: a short may end before the last arrives
+        m = srv.metrics()
+        return m.get("fastgen_requests_running", 0) + m.get("fastgen_requests_waiting", 0) + \
+            sum(v for k, v in m.items() if k.startswith("fastgen_requests_finished_total"))
+
+    assert wait_until(lambda: reached_engine() >= 10, timeout_s=20, interval_s=0.01)
+    assert srv.metrics().get("fastgen_requests_running", 0) >= 4    # the long ones at least
     assert srv.stop(signal.SIGTERM) == 0, srv.log_tail()
     for t in threads + shorts:
         t.join(60)

@@ -385,6 +385,137 @@ inline void qk4_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, float*)
 inline void pv4_bf16(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
 #endif
 
+#if defined(__AVX512F__)
+// sixteen vectors -> one: lane j holds the sum of v[j]'s lanes (a tree of unpacks and lane
+// shuffles: 45 instructions for 16 horizontal sums instead of ~130 one at a time)
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// dot products of one query row with keys k0 .. k0 + cnt - 1 (cnt <= 16) of a block, each key's
+// DC values contiguous at kb + j * stride: one vector of partial sums per key (vdpbf16ps on bf16
+// pairs, exact products; FMAs in fp32), then hsum16. q: DC values (bf16 bits or fp32).
+template <typename T, int64_t DC>
+inline __m512 qk16(const T* qrow, const T* kb, int64_t stride, int64_t cnt) {
+  __m512 v[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    if (j < cnt) {
+      const T* kj = kb + j * stride;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512BF16__)
+        for (int64_t c = 0; c < DC; c += 64) {
+          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qrow + c), (__m512bh)_mm512_loadu_si512(kj + c));
+          b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(qrow + c + 32), (__m512bh)_mm512_loadu_si512(kj + c + 32));
+        }
+#endif
+      } else {
+        for (int64_t c = 0; c < DC; c += 32) {
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(qrow + c), _mm512_loadu_ps(kj + c), a);
+          b = _mm512_fmadd_ps(_mm512_loadu_ps(qrow + c + 16), _mm512_loadu_ps(kj + c + 16), b);
+        }
+      }
+    }
+    v[j] = _mm512_add_ps(a, b);
+  }
+  return hsum16(v);
+}
+
+// acc[r][DC] += sum_j p[r][j] * vf[j][DC] for rows r0, r0 + 1 (two rows: 2 * DC / 16 independent
+// FMA chains), keys [from, to)
+template <int64_t DC, int R>
+inline void pv_rows(const float* p, int64_t bs, const float* vf, int64_t from, int64_t to, float* acc) {
+  constexpr int C = static_cast<int>(DC / 16);
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * DC + 16 * c);
+  for (int64_t j = from; j < to; ++j) {
+    const float* vj = vf + j * DC;
+    for (int r = 0; r < R; ++r) {
+      const __m512 pv = _mm512_set1_ps(p[r * bs + j]);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 16 * c), a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * DC + 16 * c, a[r][c]);
+}
+constexpr bool kHaveDecodeKernel = true;
+// FASTGEN_DECODE_KERNEL=0 sends decodes down the general path (A/B measurements); read once
+inline bool decode_kernel_enabled() {
+  static const bool on = [] { const char* v = std::getenv("FASTGEN_DECODE_KERNEL"); return !(v && v[0] == '0'); }();
+  return on;
+}
+#if defined(__AVX512BF16__)
+// the bf16 PV of decode rows: pairs of keys straight from the pool (two keys' values
+// interleaved per 128-bit lane by vpunpck{l,h}wd: no widened copy of V), probabilities as bf16
+// pairs pw[r][bs/2] (as the chunk path's pv4_bf16), vdpbf16ps into acc[r][DC] kept in the
+// interleaved order: lane 4L + t of the low / high vector of 32 values c holds value
+// 32c + 8L + t / 32c + 8L + 4 + t (decode_acc_order puts it back). Key pairs [j2a, j2b);
+// a key at or past n reads as 0 (the pool's unused slots may hold anything).
+template <int64_t DC, int R>
+inline void pv_rows_bf16(const uint32_t* pw, int64_t half, const at::BFloat16* vb, int64_t stride, int64_t j2a,
+                         int64_t j2b, int64_t n, float* acc) {
+  constexpr int C = static_cast<int>(DC / 32);
+  __m512 lo[R][C], hi[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      lo[r][c] = _mm512_loadu_ps(acc + r * DC + 32 * c), hi[r][c] = _mm512_loadu_ps(acc + r * DC + 32 * c + 16);
+  for (int64_t j2 = j2a; j2 < j2b; ++j2) {
+    const at::BFloat16* v0 = vb + 2 * j2 * stride;
+    const bool has1 = 2 * j2 + 1 < n;
+    __m512i a[C], b[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i y = has1 ? _mm512_loadu_si512(v0 + stride + 32 * c) : _mm512_setzero_si512();
+      a[c] = _mm512_unpacklo_epi16(x, y), b[c] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r * half + j2]));
+      for (int c = 0; c < C; ++c) {
+        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], pv, (__m512bh)a[c]);
+        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], pv, (__m512bh)b[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(acc + r * DC + 32 * c, lo[r][c]), _mm512_storeu_ps(acc + r * DC + 32 * c + 16, hi[r][c]);
+}
+
+// pv_rows_bf16's interleaved order -> the values' own, rows x DC in place
+template <int64_t DC>
+inline void decode_acc_order(float* acc, int64_t rows) {
+  const __m512i i1 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i2 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < DC; c += 32) {
+      const __m512 lo = _mm512_loadu_ps(acc + r * DC + c), hi = _mm512_loadu_ps(acc + r * DC + c + 16);
+      _mm512_storeu_ps(acc + r * DC + c, _mm512_permutex2var_ps(lo, i1, hi));
+      _mm512_storeu_ps(acc + r * DC + c + 16, _mm512_permutex2var_ps(lo, i2, hi));
+    }
+}
+#endif
+#if defined(__AVX512BF16__)
+constexpr bool kDecodeBf16 = true;   // bf16 decodes take qk16's vdpbf16ps
+#else
+constexpr bool kDecodeBf16 = false;
+#endif
+#else
+constexpr bool kDecodeBf16 = false;
+constexpr bool kHaveDecodeKernel = false;
+#endif
+
 template <typename T, int64_t DC>
 void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                  const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h, int64_t kvh,
@@ -456,6 +587,81 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
     ml[r] = Partial{mx, ml[r].l * corr + l};
   };
   const int32_t* table = tables + s * max_blocks;
+#if defined(__AVX512F__)
+  // a decode's rows (the query's heads on this KV head, fewer than kManyRows): scores by qk16
+  // straight from the pool (no widened or transposed copy of K), V widened once per block,
+  // PV two rows at a time. Measured on the Zen 5 host (bf16, 9 heads, 3 KV heads, head dim 64,
+  // one thread): see docs/architecture.md
+  if constexpr (kHaveDecodeKernel && DC > 0 && DC % 64 == 0) {
+    if (decode && (!std::is_same_v<T, at::BFloat16> || kDecodeBf16) && decode_kernel_enabled()) {
+      // q rows: bf16 as they are (scaled after the sums), fp32 pre-scaled (qf)
+      const T* qrows[kManyRows];
+      for (int64_t r = 0; r < rows; ++r) {
+        if constexpr (std::is_same_v<T, at::BFloat16>)
+          qrows[r] = q + ((q_starts[s]) * h + kv * group + r) * d;
+        else
+          qrows[r] = reinterpret_cast<const T*>(qf.data() + r * d);
+      }
+      const __m512 sv = _mm512_set1_ps(std::is_same_v<T, at::BFloat16> ? scale : 1.f);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
+        const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+        const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+        const int64_t from = std::max<int64_t>(0, first_visible(p0) - first_key);
+        if (n <= from) continue;
+        constexpr bool bf16_pv = std::is_same_v<T, at::BFloat16> && kDecodeBf16;
+        if constexpr (!bf16_pv) {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* vj = vb + j * kvh * d;
+            float* vfj = vf.data() + j * d;
+#pragma omp simd
+            for (int64_t i = 0; i < DC; ++i) vfj[i] = load(vj, i);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sc = scores.data() + r * bs;
+          for (int64_t j0 = 0; j0 < n; j0 += 16)
+            _mm512_storeu_ps(sc + j0, _mm512_mul_ps(qk16<T, DC>(qrows[r], kb + j0 * kvh * d, kvh * d,
+                                                                 std::min<int64_t>(16, n - j0)), sv));
+          softmax_row(r, sc, from, n);
+        }
+        int64_t r = 0;
+        if constexpr (bf16_pv) {
+#if defined(__AVX512BF16__)
+          // probabilities -> bf16 pairs (keys past n are 0 already)
+          const int64_t half = (bs + 1) / 2;
+          if (static_cast<int64_t>(pw.size()) < rows * half) pw.resize(rows * half);
+          for (int64_t rr = 0; rr < rows; ++rr) {
+            const float* sc = scores.data() + rr * bs;
+            uint32_t* dst = pw.data() + rr * half;
+            int64_t j2 = 0;
+            for (; 2 * j2 + 32 <= bs; j2 += 16)
+              _mm512_storeu_si512(dst + j2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + 2 * j2 + 16),
+                                                                         _mm512_loadu_ps(sc + 2 * j2)));
+            for (; j2 < half; ++j2) {
+              const uint32_t lo = bf16_bits(sc[2 * j2]), hi = 2 * j2 + 1 < bs ? bf16_bits(sc[2 * j2 + 1]) : 0u;
+              dst[j2] = lo | hi << 16;
+            }
+          }
+          const int64_t j2a = from / 2, j2b = (n + 1) / 2;
+          const at::BFloat16* vbb = reinterpret_cast<const at::BFloat16*>(vb);
+          for (; r + 2 <= rows; r += 2)
+            pv_rows_bf16<DC, 2>(pw.data() + r * half, half, vbb, kvh * d, j2a, j2b, n, acc.data() + r * d);
+          if (r < rows) pv_rows_bf16<DC, 1>(pw.data() + r * half, half, vbb, kvh * d, j2a, j2b, n, acc.data() + r * d);
+#endif
+        } else {
+          for (; r + 2 <= rows; r += 2)
+            pv_rows<DC, 2>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
+          if (r < rows) pv_rows<DC, 1>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
+        }
+      }
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16> && kDecodeBf16) decode_acc_order<DC>(acc.data(), rows);
+#endif
+      return;
+    }
+  }
+#endif
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t first_key = b * bs, n = std::min(bs, p0 + qb - first_key);
     const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
@@ -628,7 +834,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     work += (start_pos[s] + q_starts[s + 1] - q_starts[s]) * (q_starts[s + 1] - q_starts[s]) * h;
 #pragma omp parallel num_threads(num_threads) if (num_items > 1 && work > (1 << 10))
   {
-    std::vector<float> qf, acc, scores(4 * bs), kf(bs * d), vf(bs * d);
+    std::vector<float> qf, acc, scores(std::max<int64_t>(4, kManyRows) * bs + 16), kf(bs * d), vf(bs * d);
     std::vector<uint32_t> qw, kw(bs * d / 2 + 16), vw(bs / 2 * d + 16), pw;
     std::vector<Partial> ml;
 #pragma omp for schedule(dynamic, 1)
@@ -1099,8 +1305,73 @@ inline bool qgemv_bf16_enabled() {
   return on;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 x against one 4-bit W row with vdpbf16ps, min terms included. A nibble q becomes the
+// bf16 value 128 + q by one bit operation (0x4300 | q: exponent 2^7, q in the mantissa's low
+// bits; exact, as bf16 holds every integer up to 256), which replaced a table lookup per 32
+// weights (vpermw, the bottleneck: ~60 -> ~40 cycles a row of 576). The 128 * sum(x) that the
+// offset adds per group is taken back with the minimum: the row's groups contribute
+// scale * dot(128 + q, x) + (min - 128 * scale) * sum(x). The groups go in quads
+// (bf16_x_quads' layout) and a last pair (bf16_x_pairs') into one set of accumulators,
+// reduced once per row; the min terms as masked FMAs with x's group sums xs. sc, mn: the
+// row's fp16 scales and minima, widened in registers (a round trip through a buffer cost
+// more than the products: store-to-load forwarding fails from 512-bit and masked stores to
+// narrower loads). groups even.
+template <int RN>
+inline void qrow4_bf16_fused(const uint8_t* wr, const uint16_t* sc, const uint16_t* mn, const uint16_t* const* xp,
+                             const float* const* xs, int64_t groups, float* totals) {
+  __m512 acc[RN], accm[RN];
+  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi16(0x0F), c128 = _mm512_set1_epi16(0x4300);
+  // (b & m4) | c128 in one vpternlog: imm 0xEA = (A & B) | C
+  auto bf = [&](__m512i b) { return (__m512bh)_mm512_ternarylogic_epi32(b, m4, c128, 0xEA); };
+  const __m512i idx4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int64_t quads = groups / 4;
+  for (int64_t q = 0; q < quads; ++q) {
+    const __m512i b = _mm512_loadu_si512(wr + q * 64);
+    const __m512bh wa = bf(b), wb = bf(_mm512_srli_epi16(b, 4)), wc = bf(_mm512_srli_epi16(b, 8)),
+                   wd = bf(_mm512_srli_epi16(b, 12));
+    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 4 * q)));
+    const __m128 m4v = _mm_fnmadd_ps(_mm_set1_ps(128.f), s4,
+                                     _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 4 * q))));
+    const __m512 scale = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(s4));
+    const __m512 minv = _mm512_zextps128_ps512(m4v);
+    for (int r = 0; r < RN; ++r) {
+      const uint16_t* xv = xp[r] + q * 128;
+      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, (__m512bh)_mm512_loadu_si512(xv));
+      __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, (__m512bh)_mm512_loadu_si512(xv + 32));
+      d = _mm512_dpbf16_ps(d, wc, (__m512bh)_mm512_loadu_si512(xv + 64));
+      e = _mm512_dpbf16_ps(e, wd, (__m512bh)_mm512_loadu_si512(xv + 96));
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(d, e), scale, acc[r]);
+      accm[r] = _mm512_fmadd_ps(minv, _mm512_maskz_loadu_ps(0xF, xs[r] + 4 * q), accm[r]);
+    }
+  }
+  if (groups % 4) {  // the last pair of groups: one byte per 16-bit lane
+    const int64_t g0 = quads * 4;
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + quads * 64)));
+    const __m512bh wlo = bf(b), whi = bf(_mm512_srli_epi16(b, 4));
+    const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    uint32_t sbits, mbits;   // two fp16 each
+    std::memcpy(&sbits, sc + g0, 4);
+    std::memcpy(&mbits, mn + g0, 4);
+    const __m128 s2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)));   // lanes 2, 3 zero
+    const __m128 m2 = _mm_fnmadd_ps(_mm_set1_ps(128.f), s2, _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(mbits))));
+    const __m512 scale = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(s2));
+    const __m512 minv = _mm512_zextps128_ps512(m2);
+    for (int r = 0; r < RN; ++r) {
+      const uint16_t* xv = xp[r] + quads * 128;
+      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wlo, (__m512bh)_mm512_loadu_si512(xv));
+      d = _mm512_dpbf16_ps(d, whi, (__m512bh)_mm512_loadu_si512(xv + 32));
+      acc[r] = _mm512_fmadd_ps(d, scale, acc[r]);
+      accm[r] = _mm512_fmadd_ps(minv, _mm512_maskz_loadu_ps(0x3, xs[r] + g0), accm[r]);   // minv's lanes 2.. are 0
+    }
+  }
+  for (int r = 0; r < RN; ++r) totals[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], accm[r]));
+}
+#endif
+
 template <typename T>
-void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float* mins, T* y, int64_t m,
+void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const uint16_t* mins_h, T* y, int64_t m,
                 int64_t n, int64_t k, int kind, bool act_int8) {
   const int64_t groups = k / 32;
   std::vector<float> xf(m * k), xsum(m * groups, 0.f);
@@ -1110,7 +1381,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
       for (int64_t i = 0; i < 32; ++i) xsum[r * groups + g] += xf[r * k + g * 32 + i];
   const int64_t row_bytes = kind == 4 ? k / 2 : k;
   const bool vnni = act_int8 && kHaveVnni;
-  // bf16 x, 4-bit weights, whole pairs of groups: the bf16 dot products (qrow4_bf16)
+  // bf16 x, 4-bit weights, whole pairs of groups: the bf16 dot products (qrow4_bf16_fused)
   const bool bf16_dot = kHaveBf16Dot && std::is_same<T, at::BFloat16>::value && kind == 4 && !vnni &&
                         groups % 2 == 0 && qgemv_bf16_enabled();
   std::vector<uint16_t> xp(bf16_dot ? m * k : 0);
@@ -1130,32 +1401,34 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
     quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups);
 #endif
   at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx, &xp](int64_t n0, int64_t n1) {
+    // this row's scales and minima in fp32 (16 per instruction from their fp16)
+    std::vector<float> row_scales(2 * groups);
+    float* sc = row_scales.data();
+    float* mn = mins_h != nullptr ? sc + groups : nullptr;
     for (int64_t o = n0; o < n1; ++o) {
       const uint8_t* wr = qw + o * row_bytes;
-      const float* sc = scales + o * groups;
-      const float* mn = mins != nullptr ? mins + o * groups : nullptr;
       for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
-      __builtin_prefetch(sc + kPrefetchBytes / 4);
+      __builtin_prefetch(scales_h + (o + 8) * groups);
+      if (mins_h != nullptr) __builtin_prefetch(mins_h + (o + 8) * groups);
+      if (!bf16_dot) {   // the other row kernels take fp32 scales and minima
+        halves_to_floats(scales_h + o * groups, sc, groups);
+        if (mn != nullptr) halves_to_floats(mins_h + o * groups, mn, groups);
+      }
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int64_t rn = std::min<int64_t>(4, m - r0);
         float totals[4] = {};
+        bool with_mins = false;   // the kernel summed the min terms already
         const float* xr = xf.data() + r0 * k;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (bf16_dot) {
           const uint16_t* xps[4];
-          for (int64_t r = 0; r < rn; ++r) xps[r] = xp.data() + (r0 + r) * k;
-          const int64_t quads = groups / 4;
+          const float* xss[4];
+          for (int64_t r = 0; r < rn; ++r) xps[r] = xp.data() + (r0 + r) * k, xss[r] = xsum.data() + (r0 + r) * groups;
           by_rows(rn, [&](auto rows) {
-            constexpr int RN = decltype(rows)::value;
-            qrow4_bf16_quads<RN>(wr, sc, xps, quads, totals);
-            if (groups % 4) {   // the last pair of groups, in pair layout
-              const uint16_t* tail[4];
-              float more[4] = {};
-              for (int64_t r = 0; r < rn; ++r) tail[r] = xps[r] + quads * 128;
-              qrow4_bf16<RN>(wr + quads * 64, sc + quads * 4, tail, 1, more);
-              for (int64_t r = 0; r < rn; ++r) totals[r] += more[r];
-            }
+            qrow4_bf16_fused<decltype(rows)::value>(wr, scales_h + o * groups, mins_h + o * groups, xps, xss,
+                                                    groups, totals);
           });
+          with_mins = true;
         } else
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -1184,7 +1457,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const float* scales, const float*
 #endif
         for (int64_t r = 0; r < rn; ++r) {
           float total = totals[r];
-          if (mn != nullptr) {
+          if (mn != nullptr && !with_mins) {
             const float* xs = xsum.data() + (r0 + r) * groups;
             float mt = 0.f;
 #pragma omp simd reduction(+ : mt)
@@ -1202,16 +1475,16 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
                  const c10::optional<at::Tensor>& mins, int64_t kind, bool act_int8) {
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemv: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
-  const float* mp = check_quant_rows("qgemv", qw, scales, mins, kind, k);
+  const QuantRowsPtrs qp = check_quant_rows("qgemv", qw, scales, mins, kind, k);
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, xc.options());
   AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemv",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        qgemv_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp,
+        qgemv_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), qp.scales, qp.mins,
                           y.data_ptr<float>(), m, n, k, static_cast<int>(kind), act_int8); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        qgemv_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                 mp, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind), act_int8); }));
+        qgemv_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), qp.scales,
+                                 qp.mins, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind), act_int8); }));
   return y;
 }
 

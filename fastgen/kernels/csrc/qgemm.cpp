@@ -73,16 +73,16 @@ inline __m256i bf16_vec(__m512 v) {
 // weight rows o0 .. o0 + nc - 1, dequantized (q * scale + min in fp32, then T's precision),
 // into w [NR][k] of T (rows nc.. zero): each output feature's weights contiguous along k
 template <typename T>
-inline void dequant_rows(const uint8_t* qw, const float* scales, const float* mins, int kind, int64_t k,
+inline void dequant_rows(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int kind, int64_t k,
                          int64_t o0, int nc, T* w) {
   const int64_t groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
   for (int c = 0; c < nc; ++c) {
     const uint8_t* wr = qw + (o0 + c) * row_bytes;
-    const float* sc = scales + (o0 + c) * groups;
-    const float* mn = mins != nullptr ? mins + (o0 + c) * groups : nullptr;
+    const uint16_t* sc = scales + (o0 + c) * groups;
+    const uint16_t* mn = mins != nullptr ? mins + (o0 + c) * groups : nullptr;
     T* out = w + static_cast<int64_t>(c) * k;
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = sc[g], m = mn != nullptr ? mn[g] : 0.f;
+      const float s = half_to_float(sc[g]), m = mn != nullptr ? half_to_float(mn[g]) : 0.f;
       T* o = out + g * 32;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       if (kind == 4) {
@@ -149,7 +149,7 @@ inline void dequant_rows(const uint8_t* qw, const float* scales, const float* mi
 #pragma GCC pop_options
 
 template <typename T>
-inline void dequant_panel(const uint8_t* qw, const float* scales, const float* mins, int kind, int64_t k,
+inline void dequant_panel(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int kind, int64_t k,
                           int64_t o0, int nc, T* w) {
   dequant_rows<T>(qw, scales, mins, kind, k, o0, nc, w);
   if (nc < NR) std::memset(static_cast<void*>(w + static_cast<int64_t>(nc) * k), 0, sizeof(T) * (NR - nc) * k);
@@ -316,7 +316,7 @@ inline void micro_generic(const T* a, const T* w, int64_t k, float* out) {
 }
 
 template <typename T>
-void qgemm_impl(const T* x, const uint8_t* qw, const float* scales, const float* mins, const float* bias, T* y,
+void qgemm_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias, T* y,
                 int64_t m, int64_t n, int64_t k, int kind) {
   const int64_t blocks = (m + MB - 1) / MB, panels = (n + NR - 1) / NR;
   // x repacked once (64-byte aligned: the micro-kernels' vector loads)
@@ -361,7 +361,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
                  const c10::optional<at::Tensor>& mins, int64_t kind, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemm: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
-  const float* mp = check_quant_rows("qgemm", qw, scales, mins, kind, k);
+  const QuantRowsPtrs qp = check_quant_rows("qgemm", qw, scales, mins, kind, k);
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     bf = bias->to(at::kFloat).contiguous();
@@ -373,11 +373,11 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
   if (m == 0) return y;
   AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemm",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        qgemm_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp, bp,
+        qgemm_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), qp.scales, qp.mins, bp,
                           y.data_ptr<float>(), m, n, k, static_cast<int>(kind)); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        qgemm_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                 mp, bp, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind)); }));
+        qgemm_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), qp.scales,
+                                 qp.mins, bp, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind)); }));
   return y;
 }
 
@@ -387,7 +387,7 @@ at::Tensor qembed(const at::Tensor& ids, const at::Tensor& qw, const at::Tensor&
                   const c10::optional<at::Tensor>& mins, int64_t kind, at::ScalarType dtype) {
   TORCH_CHECK(ids.dim() == 1 && qw.dim() == 2, "qembed: ids [t], qw [vocab, k/2 or k]");
   const int64_t vocab = qw.size(0), k = qw.size(1) * (kind == 4 ? 2 : 1), t = ids.size(0);
-  const float* mp = check_quant_rows("qembed", qw, scales, mins, kind, k);
+  const QuantRowsPtrs qp = check_quant_rows("qembed", qw, scales, mins, kind, k);
   at::Tensor idx = ids.to(at::kLong).contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i)
@@ -396,11 +396,11 @@ at::Tensor qembed(const at::Tensor& ids, const at::Tensor& qw, const at::Tensor&
   AT_DISPATCH_SWITCH(dtype, "qembed",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         for (int64_t i = 0; i < t; ++i)
-          dequant_rows<float>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp, static_cast<int>(kind), k,
+          dequant_rows<float>(qw.data_ptr<uint8_t>(), qp.scales, qp.mins, static_cast<int>(kind), k,
                               ip[i], 1, out.data_ptr<float>() + i * k); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         for (int64_t i = 0; i < t; ++i)
-          dequant_rows<at::BFloat16>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), mp, static_cast<int>(kind),
+          dequant_rows<at::BFloat16>(qw.data_ptr<uint8_t>(), qp.scales, qp.mins, static_cast<int>(kind),
                                      k, ip[i], 1, out.data_ptr<at::BFloat16>() + i * k); }));
   return out;
 }

@@ -1,28 +1,66 @@
 // The argument checks of every op over quantized rows (fastgen.model.quant.QuantRows), shared by
-// qgemv (cpu_kernels.cpp), qgemm and qembed (qgemm.cpp):
+// qgemv (cpu_kernels.cpp), qgemm and qembed (qgemm.cpp), and the fp16 -> fp32 conversion of
+// their scales and minima:
 //   qw     [n, k/2] uint8 (kind 4: nibbles) or [n, k] (kind 8: int8 bytes), contiguous
-//   scales [n, k/32] fp32; mins [n, k/32] fp32, required for kind 4, absent for kind 8
+//   scales [n, k/32] fp16; mins [n, k/32] fp16, required for kind 4, absent for kind 8
+// (fp16 as GGUF ships them: 4 bytes a group instead of fp32's 8, 17% fewer bytes for a
+// decode step to stream through Q4_1 rows)
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Half.h>
 
-// Returns the mins' data (nullptr for kind 8). ``op`` names the op in the errors.
-inline const float* check_quant_rows(const char* op, const at::Tensor& qw, const at::Tensor& scales,
-                                     const c10::optional<at::Tensor>& mins, int64_t kind, int64_t k) {
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+
+struct QuantRowsPtrs {
+  const uint16_t* scales;  // fp16 bits
+  const uint16_t* mins;    // fp16 bits, nullptr for kind 8
+};
+
+// ``op`` names the op in the errors.
+inline QuantRowsPtrs check_quant_rows(const char* op, const at::Tensor& qw, const at::Tensor& scales,
+                                      const c10::optional<at::Tensor>& mins, int64_t kind, int64_t k) {
   TORCH_CHECK(kind == 4 || kind == 8, op, ": kind must be 4 or 8");
   TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
               op, ": qw must be [n, k/2 or k] uint8, contiguous");
   const int64_t n = qw.size(0);
   TORCH_CHECK(k % 32 == 0 && qw.size(1) == (kind == 4 ? k / 2 : k),
               op, ": k must be a multiple of 32 and match qw's row bytes");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * (k / 32),
-              op, ": scales must be [n, k/32] fp32");
-  const float* mp = nullptr;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == n * (k / 32),
+              op, ": scales must be [n, k/32] fp16");
+  QuantRowsPtrs p{reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), nullptr};
   if (mins.has_value() && mins->defined()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == n * (k / 32),
-                op, ": mins must be [n, k/32] fp32");
-    mp = mins->data_ptr<float>();
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->is_contiguous() && mins->numel() == n * (k / 32),
+                op, ": mins must be [n, k/32] fp16");
+    p.mins = reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>());
   }
-  TORCH_CHECK(kind == 8 || mp != nullptr, op, ": 4-bit rows need their mins");
-  return mp;
+  TORCH_CHECK(kind == 8 || p.mins != nullptr, op, ": 4-bit rows need their mins");
+  return p;
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// n fp16 values (bits) -> fp32, exactly
+inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + i)));
+  }
+#else
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+#endif
 }
