@@ -385,6 +385,31 @@ inline void qk4_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, float*)
 inline void pv4_bf16(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
 #endif
 
+// one row's online-softmax update over a block's scores sc[from..visible): sc becomes the
+// probabilities (0 elsewhere, up to bs), the row's accumulated values ar[d] and its (max, sum)
+// take the correction
+inline void softmax_update(Partial& ml, float* ar, int64_t d, float* sc, int64_t bs, int64_t from,
+                           int64_t visible) {
+  if (visible <= from) {
+    for (int64_t j = 0; j < bs; ++j) sc[j] = 0.f;
+    return;
+  }
+  float mx = ml.m;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = from; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
+  const float corr = fast_exp(ml.m - mx);
+  float l = 0.f;
+#pragma omp simd reduction(+ : l)
+  for (int64_t j = 0; j < bs; ++j) {
+    const float pj = j >= from && j < visible ? fast_exp(sc[j] - mx) : 0.f;
+    sc[j] = pj;
+    l += pj;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+  ml = Partial{mx, ml.l * corr + l};
+}
+
 #if defined(__AVX512F__)
 // sixteen vectors -> one: lane j holds the sum of v[j]'s lanes (a tree of unpacks and lane
 // shuffles: 45 instructions for 16 horizontal sums instead of ~130 one at a time)
@@ -566,102 +591,9 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
   // one row's online-softmax update over this block's scores sc[from..visible); sc becomes the
   // probabilities (0 outside, up to bs)
   auto softmax_row = [&](int64_t r, float* sc, int64_t from, int64_t visible) {
-    if (visible <= from) {
-      for (int64_t j = 0; j < bs; ++j) sc[j] = 0.f;
-      return;
-    }
-    float mx = ml[r].m;
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = from; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
-    const float corr = fast_exp(ml[r].m - mx);
-    float l = 0.f;
-#pragma omp simd reduction(+ : l)
-    for (int64_t j = 0; j < bs; ++j) {
-      const float pj = j >= from && j < visible ? fast_exp(sc[j] - mx) : 0.f;
-      sc[j] = pj;
-      l += pj;
-    }
-    float* ar = acc.data() + r * d;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
-    ml[r] = Partial{mx, ml[r].l * corr + l};
+    softmax_update(ml[r], acc.data() + r * d, d, sc, bs, from, visible);
   };
   const int32_t* table = tables + s * max_blocks;
-#if defined(__AVX512F__)
-  // a decode's rows (the query's heads on this KV head, fewer than kManyRows): scores by qk16
-  // straight from the pool (no widened or transposed copy of K), V widened once per block,
-  // PV two rows at a time. Measured on the Zen 5 host (bf16, 9 heads, 3 KV heads, head dim 64,
-  // one thread): see docs/architecture.md
-  if constexpr (kHaveDecodeKernel && DC > 0 && DC % 64 == 0) {
-    if (decode && (!std::is_same_v<T, at::BFloat16> || kDecodeBf16) && decode_kernel_enabled()) {
-      // q rows: bf16 as they are (scaled after the sums), fp32 pre-scaled (qf)
-      const T* qrows[kManyRows];
-      for (int64_t r = 0; r < rows; ++r) {
-        if constexpr (std::is_same_v<T, at::BFloat16>)
-          qrows[r] = q + ((q_starts[s]) * h + kv * group + r) * d;
-        else
-          qrows[r] = reinterpret_cast<const T*>(qf.data() + r * d);
-      }
-      const __m512 sv = _mm512_set1_ps(std::is_same_v<T, at::BFloat16> ? scale : 1.f);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
-        const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
-        const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
-        const int64_t from = std::max<int64_t>(0, first_visible(p0) - first_key);
-        if (n <= from) continue;
-        constexpr bool bf16_pv = std::is_same_v<T, at::BFloat16> && kDecodeBf16;
-        if constexpr (!bf16_pv) {
-          for (int64_t j = 0; j < n; ++j) {
-            const T* vj = vb + j * kvh * d;
-            float* vfj = vf.data() + j * d;
-#pragma omp simd
-            for (int64_t i = 0; i < DC; ++i) vfj[i] = load(vj, i);
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* sc = scores.data() + r * bs;
-          for (int64_t j0 = 0; j0 < n; j0 += 16)
-            _mm512_storeu_ps(sc + j0, _mm512_mul_ps(qk16<T, DC>(qrows[r], kb + j0 * kvh * d, kvh * d,
-                                                                 std::min<int64_t>(16, n - j0)), sv));
-          softmax_row(r, sc, from, n);
-        }
-        int64_t r = 0;
-        if constexpr (bf16_pv) {
-#if defined(__AVX512BF16__)
-          // probabilities -> bf16 pairs (keys past n are 0 already)
-          const int64_t half = (bs + 1) / 2;
-          if (static_cast<int64_t>(pw.size()) < rows * half) pw.resize(rows * half);
-          for (int64_t rr = 0; rr < rows; ++rr) {
-            const float* sc = scores.data() + rr * bs;
-            uint32_t* dst = pw.data() + rr * half;
-            int64_t j2 = 0;
-            for (; 2 * j2 + 32 <= bs; j2 += 16)
-              _mm512_storeu_si512(dst + j2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + 2 * j2 + 16),
-                                                                         _mm512_loadu_ps(sc + 2 * j2)));
-            for (; j2 < half; ++j2) {
-              const uint32_t lo = bf16_bits(sc[2 * j2]), hi = 2 * j2 + 1 < bs ? bf16_bits(sc[2 * j2 + 1]) : 0u;
-              dst[j2] = lo | hi << 16;
-            }
-          }
-          const int64_t j2a = from / 2, j2b = (n + 1) / 2;
-          const at::BFloat16* vbb = reinterpret_cast<const at::BFloat16*>(vb);
-          for (; r + 2 <= rows; r += 2)
-            pv_rows_bf16<DC, 2>(pw.data() + r * half, half, vbb, kvh * d, j2a, j2b, n, acc.data() + r * d);
-          if (r < rows) pv_rows_bf16<DC, 1>(pw.data() + r * half, half, vbb, kvh * d, j2a, j2b, n, acc.data() + r * d);
-#endif
-        } else {
-          for (; r + 2 <= rows; r += 2)
-            pv_rows<DC, 2>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
-          if (r < rows) pv_rows<DC, 1>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
-        }
-      }
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16> && kDecodeBf16) decode_acc_order<DC>(acc.data(), rows);
-#endif
-      return;
-    }
-  }
-#endif
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t first_key = b * bs, n = std::min(bs, p0 + qb - first_key);
     const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
@@ -781,6 +713,106 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
   }
 }
 
+#if defined(__AVX512F__)
+// A decode, all its heads (kv = -1 items): for each key block of the item's split, every KV head
+// in turn, so that each block is read once and front to back (one KV head per item read each
+// block three times, a third of every 384-byte key row each time: 32 decodes x 4k keys took
+// 7.0 ms against 5.2 with a prefetch, see docs/architecture.md). Scores by qk16 straight from the
+// pool's keys; in bf16 the values too (pv_rows_bf16, probabilities as bf16 pairs), in fp32 each
+// head's values widened once per block (pv_rows); the next block prefetched. acc [h][d], ml [h]:
+// row r is head r.
+template <typename T, int64_t DC>
+void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
+                         const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h,
+                         int64_t kvh, int64_t bs, float scale, int64_t window, std::vector<float>& acc,
+                         std::vector<Partial>& ml, std::vector<float>& qf, std::vector<float>& scores,
+                         std::vector<float>& vf, std::vector<uint32_t>& pw) {
+  constexpr int64_t d = DC;
+  constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
+  const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
+  const int64_t visible_from = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+  const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
+  const int64_t b0 = fb + (nblk - fb) * item.part / item.num_parts;
+  const int64_t b1 = fb + (nblk - fb) * (item.part + 1) / item.num_parts;
+  acc.assign(h * d, 0.f);
+  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  if (static_cast<int64_t>(scores.size()) < h * bs + 16) scores.resize(h * bs + 16);
+  const int64_t half = (bs + 1) / 2;
+  if (static_cast<int64_t>(pw.size()) < h * half) pw.resize(h * half);
+  if (static_cast<int64_t>(vf.size()) < bs * d) vf.resize(bs * d);
+  const T* qs = q + static_cast<int64_t>(q_starts[s]) * h * d;   // head r's query at qs + r * d
+  if constexpr (!bf16) {                                           // fp32: pre-scaled
+    qf.resize(h * d);
+    for (int64_t i = 0; i < h * d; ++i) qf[i] = load(qs, i) * scale;
+  }
+  const __m512 sv = _mm512_set1_ps(bf16 ? scale : 1.f);
+  const int32_t* table = tables + s * max_blocks;
+  const int64_t row = kvh * d;                                     // between one key's rows
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
+    const int64_t from = std::max<int64_t>(0, visible_from - first_key);
+    if (n <= from) continue;
+    if (b + 1 < b1) {   // the next block, K and V, while this one computes
+      const char* kn = reinterpret_cast<const char*>(kpool + static_cast<int64_t>(table[b + 1]) * bs * row);
+      const char* vn = reinterpret_cast<const char*>(vpool + static_cast<int64_t>(table[b + 1]) * bs * row);
+      for (int64_t off = 0; off < bs * row * static_cast<int64_t>(sizeof(T)); off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
+      }
+    }
+    for (int64_t kv = 0; kv < kvh; ++kv) {
+      const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+      const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
+      if constexpr (!bf16 || !kDecodeBf16) {
+        for (int64_t j = 0; j < n; ++j) {
+          const T* vj = vb + j * row;
+          float* vfj = vf.data() + j * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) vfj[i] = load(vj, i);
+        }
+      }
+      const int64_t r0 = kv * group;
+      for (int64_t r = r0; r < r0 + group; ++r) {
+        const T* qrow = bf16 ? qs + r * d : reinterpret_cast<const T*>(qf.data() + r * d);
+        float* sc = scores.data() + r * bs;
+        for (int64_t j0 = 0; j0 < n; j0 += 16)
+          _mm512_storeu_ps(sc + j0, _mm512_mul_ps(qk16<T, DC>(qrow, kb + j0 * row, row, std::min<int64_t>(16, n - j0)), sv));
+        softmax_update(ml[r], acc.data() + r * d, d, sc, bs, from, n);
+      }
+      int64_t r = r0;
+      if constexpr (bf16 && kDecodeBf16) {
+#if defined(__AVX512BF16__)
+        for (int64_t rr = r0; rr < r0 + group; ++rr) {   // probabilities -> bf16 pairs (0 past n)
+          const float* sc = scores.data() + rr * bs;
+          uint32_t* dst = pw.data() + rr * half;
+          int64_t j2 = 0;
+          for (; 2 * j2 + 32 <= bs; j2 += 16)
+            _mm512_storeu_si512(dst + j2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + 2 * j2 + 16),
+                                                                       _mm512_loadu_ps(sc + 2 * j2)));
+          for (; j2 < half; ++j2) {
+            const uint32_t lo = bf16_bits(sc[2 * j2]), hi = 2 * j2 + 1 < bs ? bf16_bits(sc[2 * j2 + 1]) : 0u;
+            dst[j2] = lo | hi << 16;
+          }
+        }
+        const int64_t j2a = from / 2, j2b = (n + 1) / 2;
+        const at::BFloat16* vbb = reinterpret_cast<const at::BFloat16*>(vb);
+        for (; r + 2 <= r0 + group; r += 2)
+          pv_rows_bf16<DC, 2>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
+        if (r < r0 + group) pv_rows_bf16<DC, 1>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
+#endif
+      } else {
+        for (; r + 2 <= r0 + group; r += 2)
+          pv_rows<DC, 2>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
+        if (r < r0 + group) pv_rows<DC, 1>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
+      }
+    }
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (bf16 && kDecodeBf16) decode_acc_order<DC>(acc.data(), h);
+#endif
+}
+#endif
+
 // DC: the head dim as a compile-time constant (64, 128: loops fully unrolled, no remainder
 // handling; measured 1.6x faster at 64) or 0 for any other head dim.
 template <typename T, int64_t DC>
@@ -797,6 +829,12 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   for (int64_t s = 0; s < num_seqs; ++s)
     if (q_starts[s + 1] - q_starts[s] == 1) decode_keys += num_keys(s), ++num_decodes;
   const int64_t target_items = 4 * num_threads;
+  // decodes as one item per key split with all their heads (attend_decode_heads) where that
+  // kernel builds; else one per KV head (attend_item)
+  bool heads = false;
+  if constexpr (kHaveDecodeKernel && DC > 0 && DC % 64 == 0)
+    heads = (!std::is_same_v<T, at::BFloat16> || kDecodeBf16) && decode_kernel_enabled();
+  const int64_t decode_kv_items = heads ? 1 : kvh;
   std::vector<Item> items;
   std::vector<int64_t> first_item(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -806,9 +844,13 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     if (nq == 1) {
       const int64_t nblk = (num_keys(s) + bs - 1) / bs;
       int64_t want = 1;
-      if (num_decodes * kvh < target_items)
-        want = std::max<int64_t>(1, (target_items * num_keys(s)) / (decode_keys * kvh));
+      if (num_decodes * decode_kv_items < target_items)
+        want = std::max<int64_t>(1, (target_items * num_keys(s)) / (decode_keys * decode_kv_items));
       parts = std::min<int64_t>(want, std::max<int64_t>(1, nblk / 2));
+      if (heads) {
+        for (int64_t part = 0; part < parts; ++part) items.push_back(Item{s, -1, part, parts});
+        continue;
+      }
     } else {
       parts = (nq + kQueryTile - 1) / kQueryTile;
     }
@@ -816,11 +858,11 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       for (int64_t part = 0; part < parts; ++part) items.push_back(Item{s, kv, part, parts});
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  // partial results of split decodes: item -> offset (rows = group for a decode)
+  // partial results of split decodes: item -> offset (rows: h for an all-heads item, else group)
   std::vector<int64_t> part_off(num_items + 1, 0);
   for (int64_t it = 0; it < num_items; ++it)
     part_off[it + 1] = part_off[it] + (items[it].num_parts > 1 && q_starts[items[it].seq + 1] -
-                                       q_starts[items[it].seq] == 1 ? group : 0);
+                                       q_starts[items[it].seq] == 1 ? (items[it].kv < 0 ? h : group) : 0);
   std::vector<float> part_acc(part_off[num_items] * d);
   std::vector<Partial> part_ml(part_off[num_items]);
 
@@ -844,17 +886,27 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       const bool decode = q_starts[s + 1] - q_starts[s] == 1;
       const int64_t qa = decode ? 0 : item.part * kQueryTile;
       const int64_t qb = decode ? 1 : std::min<int64_t>(q_starts[s + 1] - q_starts[s], qa + kQueryTile);
-      const int64_t rows = (qb - qa) * group;
-      pw.resize((rows + 3) / 4 * 4 * bs / 2);
-      attend_item<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
-                         window, acc, ml, qf, kf, vf, scores, qw, kw, vw, pw);
+      const bool all_heads = item.kv < 0;
+      const int64_t rows = all_heads ? h : (qb - qa) * group;
+#if defined(__AVX512F__)
+      if (all_heads) {
+        if constexpr (kHaveDecodeKernel && DC > 0 && DC % 64 == 0)
+          attend_decode_heads<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, bs,
+                                     scale, window, acc, ml, qf, scores, vf, pw);
+      } else
+#endif
+      {
+        pw.resize((rows + 3) / 4 * 4 * bs / 2);
+        attend_item<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
+                           window, acc, ml, qf, kf, vf, scores, qw, kw, vw, pw);
+      }
       if (decode && item.num_parts > 1) {
         std::memcpy(part_acc.data() + part_off[it] * d, acc.data(), rows * d * sizeof(float));
         std::copy(ml.begin(), ml.begin() + rows, part_ml.begin() + part_off[it]);
         continue;
       }
       for (int64_t r = 0; r < rows; ++r) {
-        T* dst = out + ((q_starts[s] + qa + r / group) * h + item.kv * group + r % group) * d;
+        T* dst = out + (all_heads ? q_starts[s] * h + r : (q_starts[s] + qa + r / group) * h + item.kv * group + r % group) * d;
         const float inv = ml[r].l > 0.f ? 1.f / ml[r].l : 0.f;
         for (int64_t i = 0; i < d; ++i) store(dst, i, acc[r * d + i] * inv);
       }
@@ -865,17 +917,21 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (q_starts[s + 1] - q_starts[s] != 1 || items[first_item[s]].num_parts == 1) continue;
     const int64_t parts = items[first_item[s]].num_parts;
+    const bool all_heads = items[first_item[s]].kv < 0;
+    // split sp's row of head kv * group + r
+    auto part_row = [&](int64_t kv, int64_t sp, int64_t r) {
+      return all_heads ? part_off[first_item[s] + sp] + kv * group + r : part_off[first_item[s] + kv * parts + sp] + r;
+    };
     for (int64_t kv = 0; kv < kvh; ++kv) {
       for (int64_t r = 0; r < group; ++r) {
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t sp = 0; sp < parts; ++sp)
-          mx = std::max(mx, part_ml[part_off[first_item[s] + kv * parts + sp] + r].m);
+        for (int64_t sp = 0; sp < parts; ++sp) mx = std::max(mx, part_ml[part_row(kv, sp, r)].m);
         float l = 0.f;
         float o[DC > 0 ? DC : 256] = {};
         std::vector<float> big(DC > 0 || d <= 256 ? 0 : d, 0.f);
         float* ov = DC > 0 || d <= 256 ? o : big.data();
         for (int64_t sp = 0; sp < parts; ++sp) {
-          const int64_t off = part_off[first_item[s] + kv * parts + sp] + r;
+          const int64_t off = part_row(kv, sp, r);
           if (part_ml[off].l == 0.f) continue;
           const float c = fast_exp(part_ml[off].m - mx);
           l += part_ml[off].l * c;
