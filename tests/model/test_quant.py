@@ -161,14 +161,15 @@ def test_default_gguf_keeps_its_quantized_weights(smollm2_path):
     assert model.layers[0].self_attn.qkv_proj.format.quant.kind == 4
     stream = sum(m.stream_bytes for m in model.modules() if hasattr(m, "stream_bytes"))
     assert stream < 0.45 * 2 * 134_515_008                  # well under the bf16 weights a decode reads
-    # issue 9's goal: the resident weights within 1.3x of the file (measured: 1.15x; the scales
-    # and minima are fp32, the file's fp16). Parameters and buffers left (norms, RoPE tables)
-    # count too; an empty loaded weight that a format replaced holds nothing.
+    # issue 9's goal: the resident weights within 1.3x of the file; measured 0.98x, with the
+    # scales and minima in fp16 as the file has them (1.15x when they were fp32), pinned at 1.05x.
+    # Parameters and buffers left (norms, RoPE tables) count too; an empty loaded weight that a
+    # format replaced holds nothing.
     import os
 
     resident = sum(m.resident_bytes for m in model.modules() if hasattr(m, "resident_bytes")) \
         + sum(p.numel() * p.element_size() for p in model.parameters())    # the embedding shares the head's rows
-    assert resident < 1.3 * os.path.getsize(smollm2_path), (resident, os.path.getsize(smollm2_path))
+    assert resident < 1.05 * os.path.getsize(smollm2_path), (resident, os.path.getsize(smollm2_path))
 
 
 def test_quality_of_the_default_modes_is_pinned(smollm2_path):

@@ -322,29 +322,28 @@ constexpr bool kHaveBlocked = true;
 // summed in fp32), half the instructions of the fp32 FMAs. K is packed per block as 32-bit
 // pairs along d, kw[d/2][bs]; V as pairs of keys, vw[bs/2][d]; q and P as pairs too.
 // sc[4][bs] = q[4] . K^T   (qw: [4][d/2] pairs)
-inline void qk4_bf16(const uint32_t* qw, int64_t d, const uint32_t* kw, int64_t bs, float* sc) {
+// R rows (4 or 8: with 8, sixteen independent vdpbf16ps chains instead of eight, and each K
+// load serves twice the rows; a chunk's 256 x 2k keys 3.62 -> see docs/architecture.md)
+template <int R>
+inline void qk_rows_bf16(const uint32_t* qw, int64_t d, const uint32_t* kw, int64_t bs, float* sc) {
   const int64_t d2n = d / 2;
   for (int64_t jb = 0; jb < bs; jb += 32) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(),
-           b1 = _mm512_setzero_ps(), c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(),
-           e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = _mm512_setzero_ps(), a[r][1] = _mm512_setzero_ps();
     for (int64_t d2 = 0; d2 < d2n; ++d2) {
       const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kw + d2 * bs + jb);
       const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kw + d2 * bs + jb + 16);
-      __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[d2]));
-      a0 = _mm512_dpbf16_ps(a0, qv, k0), a1 = _mm512_dpbf16_ps(a1, qv, k1);
-      qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[d2n + d2]));
-      b0 = _mm512_dpbf16_ps(b0, qv, k0), b1 = _mm512_dpbf16_ps(b1, qv, k1);
-      qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[2 * d2n + d2]));
-      c0 = _mm512_dpbf16_ps(c0, qv, k0), c1 = _mm512_dpbf16_ps(c1, qv, k1);
-      qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[3 * d2n + d2]));
-      e0 = _mm512_dpbf16_ps(e0, qv, k0), e1 = _mm512_dpbf16_ps(e1, qv, k1);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * d2n + d2]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], qv, k0), a[r][1] = _mm512_dpbf16_ps(a[r][1], qv, k1);
+      }
     }
-    _mm512_storeu_ps(sc + jb, a0), _mm512_storeu_ps(sc + jb + 16, a1);
-    _mm512_storeu_ps(sc + bs + jb, b0), _mm512_storeu_ps(sc + bs + jb + 16, b1);
-    _mm512_storeu_ps(sc + 2 * bs + jb, c0), _mm512_storeu_ps(sc + 2 * bs + jb + 16, c1);
-    _mm512_storeu_ps(sc + 3 * bs + jb, e0), _mm512_storeu_ps(sc + 3 * bs + jb + 16, e1);
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(sc + r * bs + jb, a[r][0]), _mm512_storeu_ps(sc + r * bs + jb + 16, a[r][1]);
   }
+}
+inline void qk4_bf16(const uint32_t* qw, int64_t d, const uint32_t* kw, int64_t bs, float* sc) {
+  qk_rows_bf16<4>(qw, d, kw, bs, sc);
 }
 
 // acc[4][d] += P[4] . V   (pw: [4][bs/2] pairs of bf16 probabilities; d % 64 == 0)
@@ -541,6 +540,43 @@ constexpr bool kDecodeBf16 = false;
 constexpr bool kHaveDecodeKernel = false;
 #endif
 
+#if defined(__AVX512F__)
+// fast_exp on 16 lanes (the same steps)
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// softmax_update for a block of 32 keys all visible: raw scores sc[32] times scale, the
+// probabilities written as 16 bf16 pairs to pw
+inline void softmax_block32(Partial& ml, float* ar, int64_t d, const float* sc, float scale, uint32_t* pw) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sc), sv), s1 = _mm512_mul_ps(_mm512_loadu_ps(sc + 16), sv);
+  const float mx = std::max(ml.m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  const __m512 mv = _mm512_set1_ps(mx);
+  const __m512 p0 = fast_exp16(_mm512_sub_ps(s0, mv)), p1 = fast_exp16(_mm512_sub_ps(s1, mv));
+  const float corr = fast_exp(ml.m - mx);
+  const __m512 cv = _mm512_set1_ps(corr);
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
+  for (; i < d; ++i) ar[i] *= corr;
+  ml = Partial{mx, ml.l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1))};
+  _mm512_storeu_si512(pw, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+}
+#endif
+
 template <typename T, int64_t DC>
 void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                  const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h, int64_t kvh,
@@ -615,23 +651,37 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
         for (int64_t i = 0; i < d; ++i)
           dst[i] = (has0 ? static_cast<uint32_t>(v0[i]) : 0u) | (has1 ? static_cast<uint32_t>(v1[i]) << 16 : 0u);
       }
-      for (int64_t r_first = 0; r_first < rows4; r_first += 4) {
+      for (int64_t r_first = 0; r_first < rows4;) {
         float* sc4 = scores.data();
-        qk4_bf16(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
-        for (int64_t rr = 0; rr < 4; ++rr) {
+        const int64_t step = r_first + 8 <= rows4 ? 8 : 4;   // rows this pass
+        if (step == 8)
+          qk_rows_bf16<8>(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
+        else
+          qk4_bf16(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
+        for (int64_t rr = 0; rr < step; ++rr) {
           const int64_t r = r_first + rr;
           float* sc = sc4 + rr * bs;
+          const int64_t pos = p0 + qa + r / group;
+          const int64_t from = std::max<int64_t>(0, first_visible(pos) - first_key);
+          const int64_t visible = std::min(n, pos - first_key + 1);
+          if (bs == 32 && from == 0 && visible == 32) {
+            // a block the row sees whole (all but the diagonal's and a window's edge): the
+            // online softmax in registers, probabilities straight to bf16 pairs (the general
+            // update's masked loops and round trips through sc were ~half of a 4-row step)
+            softmax_block32(ml[r], acc.data() + r * d, d, sc, scale, pw.data() + r * half);
+            continue;
+          }
 #pragma omp simd
           for (int64_t j = 0; j < bs; ++j) sc[j] *= scale;
-          const int64_t pos = p0 + qa + r / group;
-          softmax_row(r, sc, std::max<int64_t>(0, first_visible(pos) - first_key),
-                      std::min(n, pos - first_key + 1));
+          softmax_row(r, sc, from, visible);
           for (int64_t jb = 0; jb < bs; jb += 32) {
             const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + jb + 16), _mm512_loadu_ps(sc + jb));
             _mm512_storeu_si512(pw.data() + r * half + jb / 2, (__m512i)pb);
           }
         }
-        pv4_bf16(pw.data() + r_first * half, bs, n, vw.data(), d, acc.data() + r_first * d);
+        for (int64_t r4 = r_first; r4 < r_first + step; r4 += 4)
+          pv4_bf16(pw.data() + r4 * half, bs, n, vw.data(), d, acc.data() + r4 * d);
+        r_first += step;
       }
       continue;
     }
