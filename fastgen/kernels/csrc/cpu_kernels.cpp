@@ -1294,12 +1294,10 @@ constexpr bool kHaveVnni = false;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// bf16 x against 4-bit weights with vdpbf16ps (products of bf16 pairs, exact here: the weights
-// are the integers 0..15, which bf16 holds exactly, and x is bf16 already; fp32 sums). Per pair
-// of groups (32 bytes) the nibbles widen to 16-bit lanes, a vpermw turns each into its bf16
-// value, and two vdpbf16ps multiply 64 weights by x laid out to match (bf16_x_pairs); the
-// lanes of each group then take its scale. Measured against qrow (fp32 products) on the Zen 5
-// host: see QuantWeight.
+// x laid out for qrow4_bf16_fused (vdpbf16ps multiplies pairs of bf16; each 16-bit lane of the
+// weights holds nibbles that belong to different positions of x, so x is permuted to match).
+// A last pair of groups (32 bytes of weights widened to 16-bit lanes, low nibbles then high
+// ones): [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
 inline void bf16_x_pairs(const at::BFloat16* xr, int64_t k, uint16_t* xp) {
   const int64_t pairs = k / 64;
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xr);
@@ -1312,72 +1310,9 @@ inline void bf16_x_pairs(const at::BFloat16* xr, int64_t k, uint16_t* xp) {
     }
 }
 
-// vpermw table: word q (0..15) holds q as bf16, exactly (0, 1.0, 2.0, ... 15.0)
-inline __m512i nibble_bf16_table() {
-  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                          0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-}
-
-template <int RN>
-inline void qrow4_bf16(const uint8_t* wr, const float* sc, const uint16_t* const* xp, int64_t pairs,
-                       float* totals) {
-  __m512 acc[RN], acc2[RN];
-  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps(), acc2[r] = _mm512_setzero_ps();
-  const __m512i table = nibble_bf16_table();
-  const __m512i low4 = _mm512_set1_epi16(0x0F);
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + p * 32)));
-    const __m512bh wlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, low4), table);
-    const __m512bh whi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
-    const __m512 scale = _mm512_permutexvar_ps(
-        idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + 2 * p)))));
-    for (int r = 0; r < RN; ++r) {
-      const uint16_t* xv = xp[r] + p * 64;
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wlo, (__m512bh)_mm512_loadu_si512(xv));
-      d = _mm512_dpbf16_ps(d, whi, (__m512bh)_mm512_loadu_si512(xv + 32));
-      if (p & 1)
-        acc2[r] = _mm512_fmadd_ps(d, scale, acc2[r]);
-      else
-        acc[r] = _mm512_fmadd_ps(d, scale, acc[r]);
-    }
-  }
-  for (int r = 0; r < RN; ++r) totals[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
-}
-// variant: four groups (64 bytes) per step, unpacked within 16-bit lanes (no cross-lane
-// widening): word j holds bytes 2j and 2j+1, whose four nibbles are weights (g, 2i), (g, 2i+16),
-// (g, 2i+1), (g, 2i+17) of group g = j / 8, i = j % 8; x laid out to match (bf16_x_quads)
-template <int RN>
-inline void qrow4_bf16_quads(const uint8_t* wr, const float* sc, const uint16_t* const* xp, int64_t quads,
-                             float* totals) {
-  __m512 acc[RN], acc2[RN];
-  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps(), acc2[r] = _mm512_setzero_ps();
-  const __m512i table = nibble_bf16_table();
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  for (int64_t q = 0; q < quads; ++q) {
-    const __m512i b = _mm512_loadu_si512(wr + q * 64);
-    // vpermw reads the low 5 bits of each index: mask to 4 where higher nibbles would leak in
-    const __m512i m4 = _mm512_set1_epi16(0x0F);
-    const __m512bh wa = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, m4), table);
-    const __m512bh wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), table);
-    const __m512bh wc = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 8), m4), table);
-    const __m512bh wd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), table);
-    const __m512 scale = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * q)));
-    for (int r = 0; r < RN; ++r) {
-      const uint16_t* xv = xp[r] + q * 128;
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, (__m512bh)_mm512_loadu_si512(xv));
-      __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, (__m512bh)_mm512_loadu_si512(xv + 32));
-      d = _mm512_dpbf16_ps(d, wc, (__m512bh)_mm512_loadu_si512(xv + 64));
-      e = _mm512_dpbf16_ps(e, wd, (__m512bh)_mm512_loadu_si512(xv + 96));
-      acc[r] = _mm512_fmadd_ps(d, scale, acc[r]);
-      acc2[r] = _mm512_fmadd_ps(e, scale, acc2[r]);
-    }
-  }
-  for (int r = 0; r < RN; ++r) totals[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
-}
-
-// x for qrow4_bf16_quads: per four groups, [A, B, C, D] of 32 each, A[j] = x(g, 2i) etc.
+// Four groups (64 bytes of weights, unpacked within 16-bit lanes: word j holds bytes 2j and
+// 2j+1, whose four nibbles are weights (g, 2i), (g, 2i+16), (g, 2i+1), (g, 2i+17) of group
+// g = j / 8, i = j % 8): per four groups, [A, B, C, D] of 32 each, A[j] = x(g, 2i) etc.
 inline void bf16_x_quads(const at::BFloat16* xr, int64_t k, uint16_t* xp) {
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xr);
   for (int64_t q = 0; q < k / 128; ++q)
