@@ -163,6 +163,11 @@ class QuantWeight:
 
     name = "quantized"
     MAX_QGEMV_ROWS = 6
+    # bf16 rows where qgemv multiplies them by vdpbf16ps (AVX512-BF16): SmolLM2's 120 4-bit layer
+    # weights in model order, two threads, idle, after the bit-trick kernel: qgemv against qgemm
+    # 6.8 / 12.8 ms for 6 rows, 8.0 / 12.6 for 8, 12.0 / 12.3 for 10, 17.7 / 13.5 for 16 (fp32
+    # rows: 11.1 / 14.7 for 6, 15.3 / 14.9 for 8, hence 6 there)
+    MAX_QGEMV_ROWS_BF16 = 8
     # 8-bit rows (SmolLM2's Q8_0 head, 49152 x 576, two threads, idle): qgemv against qgemm
     # 1.63 / 3.92 ms for 6 rows, 4.00 / 5.18 for 8, 5.14 / 3.65 for 12: qgemm's dequantizing
     # costs more per weight for bytes than for nibbles (no table lookup)
@@ -180,10 +185,12 @@ class QuantWeight:
         # activations' rounding, so greedy parity with the reference and seeded outputs that do
         # not depend on the batch no longer hold exactly (docs/architecture.md)
         self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni())
+        bf16_dot = quant.kind == 4 and not self.act_int8 and torch.ops.fastgen.have_bf16_dot()
+        self.max_qgemv_rows_bf16 = self.MAX_QGEMV_ROWS_BF16 if bf16_dot else self.max_qgemv_rows
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
-        if x.shape[0] <= self.max_qgemv_rows:
+        if x.shape[0] <= (self.max_qgemv_rows_bf16 if x.dtype == torch.bfloat16 else self.max_qgemv_rows):
             y = self._qgemv(x, q.qweight, q.scales, q.mins, q.kind, self.act_int8)
             return y if self.bias is None else y + self.bias
         return self._qgemm(x, q.qweight, q.scales, q.mins, q.kind, self._bias_f32)

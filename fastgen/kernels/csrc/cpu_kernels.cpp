@@ -1575,13 +1575,19 @@ TORCH_LIBRARY(fastgen, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("qgemv(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, bool act_int8=False) -> Tensor");
   m.def("have_vnni() -> bool");
+  m.def("have_bf16_dot() -> bool");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor q_starts, Tensor start_pos, "
         "Tensor block_tables, float scale, int window=0) -> Tensor");
 }
 
 bool have_vnni() { return kHaveVnni; }
+// bf16 x takes qgemv's vdpbf16ps kernel (AVX512-BF16, FASTGEN_QGEMV_BF16 not 0)
+bool have_bf16_dot() { return kHaveBf16Dot && qgemv_bf16_enabled(); }
 
-TORCH_LIBRARY_IMPL(fastgen, CompositeExplicitAutograd, m) { m.impl("have_vnni", &have_vnni); }
+TORCH_LIBRARY_IMPL(fastgen, CompositeExplicitAutograd, m) {
+  m.impl("have_vnni", &have_vnni);
+  m.impl("have_bf16_dot", &have_bf16_dot);
+}
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
   m.impl("rms_norm", &rms_norm);
