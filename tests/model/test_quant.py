@@ -53,6 +53,25 @@ def test_quantized_gemv_matches_its_dequantized_weights(dtype, bits, rows, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_take_the_gemv_and_do_not_depend_on_their_batch(dtype):
+    """Up to the format's row limit (8 in bf16 where qgemv has its vdpbf16ps kernel, else 6) a
+    batch of decode rows goes through qgemv, whose every row is summed alone: each row of the
+    batch is bit for bit the row computed alone, so a request's output does not depend on who
+    shares its step. Past the limit (qgemm) rows stay within rounding of the same values."""
+    g = torch.Generator().manual_seed(5)
+    q = quantize(torch.randn(96, 576, generator=g), 4)
+    fmt = QuantWeight(q, None)
+    limit = fmt.max_qgemv_rows_bf16 if dtype == torch.bfloat16 else fmt.max_qgemv_rows
+    assert limit == (8 if dtype == torch.bfloat16 and torch.ops.fastgen.have_bf16_dot() else 6)
+    x = torch.randn(limit + 4, 576, generator=g).to(dtype)
+    alone = torch.cat([fmt.matmul(x[i:i + 1]) for i in range(limit + 4)])
+    assert torch.equal(fmt.matmul(x[:limit]), alone[:limit])
+    # qgemm multiplies by the weights rounded to the engine dtype (bf16: 8 bits), qgemv by exact ones
+    past = fmt.matmul(x).float()
+    assert (past - alone.float()).norm() / alone.float().norm() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,n", [(7, 12), (16, 40), (17, 70), (33, 36), (100, 25)])  # blocks of 16/32, panels of 12
 @pytest.mark.parametrize("k", [32, 576, 1536])
