@@ -180,6 +180,7 @@ class Linear(nn.Module):
     def prepare(self, make_format=default_format) -> None:
         """Hand the loaded weight to its format (after loading and moving to the device)."""
         self.format = make_format(self.weight.data, None if self.bias is None else self.bias.data)
+        self.quant_parts = {}   # a quantized format holds the parts' rows fused: free the parts
         if self.format.name != "dense":  # the format holds its own copy: free the loaded one
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
                                        requires_grad=False)

@@ -12,6 +12,8 @@ gate/up projections onto the fused layers. The registry entries of this file are
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -275,24 +277,56 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, residual, nxt, step)                      # x = nxt(residual)
         return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
 
+    def _quant_target(self, name: str) -> tuple[str, int] | None:
+        """``(module name, part)`` that holds HF-named weight ``name`` (no ``model.`` prefix)
+        quantized: a linear layer's part, or ``("embed_tokens", 0)``; None for any other tensor."""
+        if name == "embed_tokens.weight":
+            return "embed_tokens", 0
+        fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
+        part = 0
+        if fused is not None:
+            frag, target, part = fused
+            name = name.replace(frag, target)
+        module_name, _, kind = name.rpartition(".")
+        if kind != "weight":
+            return None
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return None
+        return (module_name, part) if isinstance(module, Linear) else None
+
+    def accepts_quantized(self, kinds: dict[str, int]) -> set[str]:
+        """Of ``kinds`` (HF name -> QuantRows kind of a tensor that can come quantized), the names
+        this model holds quantized and never dense: each linear layer's weight whose parts all
+        come in one kind, and the embedding where it is gathered from its rows (see prepare)."""
+        by_module: dict[str, dict[int, tuple[str, int]]] = {}
+        for name, kind in kinds.items():
+            target = self._quant_target(name.removeprefix("model."))
+            if target is not None:
+                by_module.setdefault(target[0], {})[target[1]] = (name, kind)
+        accepted = set()
+        for module_name, parts in by_module.items():
+            if module_name == "embed_tokens":
+                if not (hasattr(self.embed_tokens, "hold_quantized") or type(self.embed_tokens) is nn.Embedding):
+                    continue
+            elif len(parts) != self.get_submodule(module_name).num_parts:
+                continue
+            if len({kind for _, kind in parts.values()}) == 1:
+                accepted.update(name for name, _ in parts.values())
+        return accepted
+
     def attach_quantized(self, quant: dict) -> None:
         """Hand HF-named :class:`~fastgen.model.quant.QuantRows` to their layers (and parts)."""
         for name, rows in quant.items():
             name, rows = self.checkpoint_quant(name.removeprefix("model."), rows)
-            if name == "embed_tokens.weight":
+            target = self._quant_target(name)
+            if target is None:
+                continue
+            if target[0] == "embed_tokens":
                 self._embed_quant = rows
-                continue
-            fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
-            part = 0
-            if fused is not None:
-                frag, target, part = fused
-                name = name.replace(frag, target)
-            module_name, _, kind = name.rpartition(".")
-            if kind != "weight":
-                continue
-            module = self.get_submodule(module_name)
-            if isinstance(module, Linear):
-                module.quant_parts[part] = rows
+            else:
+                self.get_submodule(target[0]).quant_parts[target[1]] = rows
 
     def quantize_linear(self, bits: int, quantize) -> None:
         """Quantize every linear weight and the output head at load (HF checkpoints), handing
@@ -327,32 +361,38 @@ class LlamaForCausalLM(nn.Module):
         does to the dense one, for the row reorderings a family applies (Phi-2's rotary)."""
         return name, quant
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], held: Iterable[str] = ()) -> None:
+        """Load HF-named tensors; raises :class:`ModelLoadError` on a missing or unknown one.
+        ``held``: HF names that are not in ``weights`` because the model holds them quantized
+        (:meth:`accepts_quantized`); they count as loaded, their dense parameters stay unread."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in itertools.chain(weights, ((n, None) for n in held)):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the output projection
             if "rotary_emb" in name:
                 continue
-            name, tensor = self.checkpoint_tensor(name, tensor)
+            if tensor is not None:
+                name, tensor = self.checkpoint_tensor(name, tensor)
             fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
             if fused is not None:
                 frag, target, part = fused
                 module_name, _, kind = name.replace(frag, target).rpartition(".")
                 module = self.get_submodule(module_name)
-                with torch.no_grad():
-                    module.load_part(part, kind, tensor.to(module.weight.dtype))
+                if tensor is not None:
+                    with torch.no_grad():
+                        module.load_part(part, kind, tensor.to(module.weight.dtype))
                 loaded.add(f"{module_name}.{kind}#{part}")
                 continue
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to a {self.config.model_type} model")
-            if params[name].shape != tensor.shape:
-                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
+            if tensor is not None:
+                if params[name].shape != tensor.shape:
+                    raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                         f"model expects {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
             loaded.add(name)
             module_name, _, kind = name.rpartition(".")
             module = self.get_submodule(module_name)

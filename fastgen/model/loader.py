@@ -9,15 +9,17 @@ compute dtype and renamed through the family's ``GgufNames``.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.metadata
 import logging
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Container, Iterator
 
 import numpy as np
 import torch
@@ -26,7 +28,7 @@ from tqdm.auto import tqdm
 from ..config import cache_dir
 from ..errors import ModelLoadError
 from .gguf_file import GgufHeader, GgufTensor, read_header
-from .quant import GGUF_QUANT_TYPES, QuantRows, from_gguf, quantize
+from .quant import QuantRows, from_gguf, gguf_kind, quantize
 from .registry import family, gguf_family, model_config
 from .spec import GgufNames, ModelConfig, Split
 
@@ -225,11 +227,27 @@ def _targets(t: GgufTensor, names: GgufNames, cfg: ModelConfig) -> list[tuple[st
     return [(f"{prefix}{target.format(e=e)}.{kind}", part, (e,)) for e in range(t.data.shape[0])]
 
 
+def gguf_quantized_kinds(path: str, cfg: ModelConfig) -> dict[str, int]:
+    """HF name -> kind (4 or 8, see :class:`~fastgen.model.quant.QuantRows`) of every 2-D piece
+    of the GGUF file at ``path`` whose type can be kept quantized (read from the header alone)."""
+    names = family(cfg.model_type).gguf
+    if names is None:
+        return {}
+    kinds = {}
+    for t in _read_header(path).tensors:
+        kind = gguf_kind(t.tensor_type.name)
+        if kind is None or t.data.ndim not in (2, 3) or t.name.rpartition(".")[0] in _ROPE_TENSORS:
+            continue
+        kinds.update((name, kind) for name, _, _ in _targets(t, names, cfg))
+    return kinds
+
+
 def iter_gguf_tensors(path: str, cfg: ModelConfig, quant_out: dict[str, QuantRows] | None = None,
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      keep: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named fp32 tensors of a GGUF file (dequantized; fused tensors cut into their parts,
-    3-D expert tensors into one per expert). With ``quant_out``, 2-D pieces of the types in
-    :data:`~fastgen.model.quant.GGUF_QUANT_TYPES` are also kept as shipped there."""
+    3-D expert tensors into one per expert). A tensor all of whose pieces are named in ``keep``
+    (see :func:`gguf_quantized_kinds`) is not dequantized: its pieces go to ``quant_out`` as
+    :class:`~fastgen.model.quant.QuantRows`, and nothing is yielded for them."""
     import gguf
 
     names = family(cfg.model_type).gguf
@@ -244,19 +262,21 @@ def iter_gguf_tensors(path: str, cfg: ModelConfig, quant_out: dict[str, QuantRow
         if t.name.rpartition(".")[0] in _ROPE_TENSORS:
             continue
         targets = _targets(t, names, cfg)
+        if quant_out is not None and keep and all(name in keep for name, _, _ in targets):
+            raw = np.asarray(t.data)
+            for name, part, index in targets:   # 2-D pieces (gguf_quantized_kinds kept no others)
+                piece = raw[index].reshape(raw[index].shape[0], -1)
+                if names.unpermute_qk and part in ("attn_q", "attn_k"):
+                    piece = _unpermute(piece, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
+                quant_out[name] = from_gguf(qtype, piece)
+            continue
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         if names.norm_shift and t.name.endswith("norm.weight"):
             w = w + np.float32(names.norm_shift)
-        raw = np.asarray(t.data) if quant_out is not None and qtype in GGUF_QUANT_TYPES else None
         for name, part, index in targets:
             piece = w[index]
-            raw_piece = None if raw is None or piece.ndim != 2 else raw[index].reshape(piece.shape[0], -1)
             if names.unpermute_qk and part in ("attn_q", "attn_k"):
-                heads = cfg.num_heads if part == "attn_q" else cfg.num_kv_heads
-                piece = _unpermute(piece, heads)
-                raw_piece = None if raw_piece is None else _unpermute(raw_piece, heads)
-            if raw_piece is not None:
-                quant_out[name] = from_gguf(qtype, raw_piece)
+                piece = _unpermute(piece, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
             yield name, torch.from_numpy(np.array(piece, dtype=np.float32))  # a writable copy
 
 
@@ -305,15 +325,23 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
         use_vocab_parallel_embedding(model, shard, group)
     else:
         model = family(cfg.model_type).model_class(cfg, hf_config, max_positions)
-    for p in model.parameters():  # the RoPE tables (buffers) stay fp32, as in the reference
-        p.data = p.data.to(dtype)
+    # Every parameter is filled by the checkpoint (load_weights names any that is not) or held
+    # quantized, so none needs its initial values: empty tensors in the compute dtype, whose
+    # memory is only touched where a dense weight is loaded. The RoPE tables (buffers) stay
+    # fp32, as in the reference.
+    for p in model.parameters():
+        p.data = torch.empty(p.shape, dtype=dtype, device=p.device)
     quant: dict[str, QuantRows] = {} if shard is None else _ShardedQuant(shard, cfg)
-    keep = quantization == "auto" and kernels == "native"
-    weights = iter_gguf_tensors(path, cfg, quant if keep else None) if path.endswith(".gguf") \
-        else iter_safetensors(path)
+    held: set[str] = set()
+    if path.endswith(".gguf"):
+        if quantization == "auto" and kernels == "native":   # GGUF tensors kept as shipped: never dense
+            held = model.accepts_quantized(gguf_quantized_kinds(path, cfg))
+        weights = iter_gguf_tensors(path, cfg, quant, held)
+    else:
+        weights = iter_safetensors(path)
     if shard is not None:
         weights = ((name, shard.tensor(name, w, cfg)) for name, w in weights)
-    model.load_weights((name, w.to(dtype)) for name, w in weights)
+    model.load_weights(((name, w.to(dtype)) for name, w in weights), held=held)
     model = model.to(device).eval()
     if quantization in ("int8", "int4"):
         if kernels != "native":
@@ -326,7 +354,21 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
         from ..parallel.layers import finish_formats
 
         finish_formats(model, shards, group)
+    _return_freed_memory()
     return model
+
+
+def _return_freed_memory() -> None:
+    """Give the heap pages that loading freed (dense pieces, quantized parts now fused) back to
+    the system: glibc keeps them otherwise (60 MB of SmolLM2's load)."""
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):   # not glibc (musl): nothing to trim
+            pass
 
 
 class _ShardedQuant(dict):

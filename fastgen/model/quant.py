@@ -85,6 +85,12 @@ class QuantRows:
                          None if parts[0].mins is None else torch.cat([p.mins for p in parts]).contiguous())
 
 
+def gguf_kind(qtype: str) -> int | None:
+    """The :class:`QuantRows` kind GGUF type ``qtype`` is kept as (:func:`from_gguf`); None if
+    it is dequantized."""
+    return {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(qtype)
+
+
 def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
     """GGUF blocks ``raw [rows, bytes]`` (uint8) of type Q4_0 / Q4_1 / Q8_0 as :class:`QuantRows`."""
     rows = raw.shape[0]
