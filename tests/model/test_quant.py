@@ -12,7 +12,8 @@ import torch
 from fastgen import kernels
 from fastgen.model.loader import load_hf_config, load_model
 from fastgen.model.llama import ModelConfig
-from fastgen.model.quant import QuantEmbedding, QuantRows, QuantWeight, from_gguf, quantize, reference_matmul
+from fastgen.model.quant import (GGUF_KINDS, QuantEmbedding, QuantRows, QuantWeight, from_gguf, quantize,
+                                 reference_matmul)
 
 from .ragged import ragged_logits
 from .test_parity import TINY, _tiny_configs
@@ -33,6 +34,45 @@ def test_gguf_blocks_as_shipped_equal_gguf_dequantization(smollm2_path):
             np.testing.assert_array_equal(rows.dequantize().numpy(), want.astype(np.float32))
             seen.add(t.tensor_type.name)
     assert seen == {"Q4_1", "Q8_0"}
+
+
+def _random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks of ``qtype`` (any bytes are valid quants), with fp16 super-block
+    scales of a trained model's size (1e-4 .. 3e-3) where gguf-py's layout puts them."""
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // block * size), dtype=np.uint8)
+    b = raw.reshape(rows, -1, size)
+    at = {"Q4_0": [0], "Q8_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
+          "Q5_K": [0, 2], "Q6_K": [size - 2], "Q3_K": [size - 2], "Q2_K": [size - 4, size - 2]}[qtype]
+    for o in at:
+        b[..., o:o + 2] = rng.uniform(1e-4, 3e-3, size=b.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", sorted(GGUF_KINDS))
+def test_every_kept_gguf_type_is_within_its_stated_error(qtype):
+    """Each GGUF type kept quantized against gguf-py's own dequantization: exact where
+    from_gguf says so; Q4_K within the fp16 rounding of its multiplied-out scale and minimum
+    (measured: 6.7e-4 of a group's largest weight); the requantized types within half an
+    8-bit step (1/254 of a group's largest weight, measured 3.94e-3)."""
+    raw = _random_blocks(qtype, 8, 512)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(8, -1)
+    rows = from_gguf(qtype, raw)
+    assert rows.kind == GGUF_KINDS[qtype] and rows.scales.dtype == torch.float16
+    got = rows.dequantize().numpy()
+    if qtype in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
+        np.testing.assert_array_equal(got, want)
+        return
+    err = np.abs(got - want).reshape(8, -1, 32)
+    if qtype == "Q4_K":    # |dw| <= 2**-11 (q |scale| + |min|), q <= 15, for normal fp16 values
+        s, m = rows.scales.float().numpy(), rows.mins.float().numpy()
+        bound = 2.0 ** -11 * (15 * np.abs(s) + np.abs(m)) * (1 + 2.0 ** -10)
+    else:
+        bound = np.abs(want).reshape(8, -1, 32).max(-1) / 254 * (1 + 2.0 ** -10)   # fp16 scale rounded up
+    assert (err.max(-1) <= bound).all(), float((err.max(-1) / bound).max())
+    assert err.max() > 0                               # not exact: the test's bound is what holds
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
