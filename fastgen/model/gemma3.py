@@ -23,7 +23,7 @@ from torch import nn
 from ..batch import RaggedBatch
 from ..errors import ModelLoadError
 from .layers import RMSNorm
-from .llama import QK_NORM_GGUF, DecoderLayer, LlamaForCausalLM, Step, llama_config, rope_parameters
+from .llama import QK_NORM_GGUF, DecoderLayer, LlamaForCausalLM, Step, bound, llama_config, rope_parameters
 from .spec import Family, GgufNames, ModelConfig
 
 FULL, LOCAL = 0, 1   # rope_index of global and of sliding-window layers
@@ -45,13 +45,22 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, step: Step) -> torch.Tensor:
-        ops, post_attn, post_mlp = step.ops, self.post_attention_layernorm, self.post_feedforward_layernorm
-        a = ops.rms_norm(self.self_attn(normed, step), post_attn.weight, post_attn.eps)
-        ops.add_rms_norm_(a, residual, self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm.eps)
-        m = ops.rms_norm(self.mlp(a, ops), post_mlp.weight, post_mlp.eps)
-        ops.add_rms_norm_(m, residual, next_norm.weight, next_norm.eps)
-        return m
+    def bind(self, next_norm: RMSNorm):
+        """Gemma's four norms around attention and MLP, bound as DecoderLayer.bind's."""
+        attend, feed = bound(self.self_attn), bound(self.mlp)
+        post_attn, pre_mlp, post_mlp = (self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                                        self.post_feedforward_layernorm)
+        pa_w, pa_eps, pre_w, pre_eps = post_attn.weight, post_attn.eps, pre_mlp.weight, pre_mlp.eps
+        pm_w, pm_eps, next_w, next_eps = post_mlp.weight, post_mlp.eps, next_norm.weight, next_norm.eps
+
+        def run(normed: torch.Tensor, residual: torch.Tensor, step: Step) -> torch.Tensor:
+            ops = step.ops
+            a = ops.rms_norm(attend(normed, step), pa_w, pa_eps)
+            ops.add_rms_norm_(a, residual, pre_w, pre_eps)
+            m = ops.rms_norm(feed(a, ops), pm_w, pm_eps)
+            ops.add_rms_norm_(m, residual, next_w, next_eps)
+            return m
+        return run
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
