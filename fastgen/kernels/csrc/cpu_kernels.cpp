@@ -560,6 +560,19 @@ inline __m512 fast_exp16(__m512 x) {
 }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+// probabilities sc[0..n) as (n + 1) / 2 bf16 pairs, round to nearest even (the PV kernels'
+// operand: pair j holds keys 2j and 2j + 1; a last odd key pairs with 0)
+inline void probs_to_bf16_pairs(const float* sc, int64_t n, uint32_t* dst) {
+  int64_t j2 = 0;
+  for (; 2 * j2 + 32 <= n; j2 += 16)
+    _mm512_storeu_si512(dst + j2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + 2 * j2 + 16),
+                                                               _mm512_loadu_ps(sc + 2 * j2)));
+  for (; j2 < (n + 1) / 2; ++j2) {
+    const uint32_t lo = bf16_bits(sc[2 * j2]), hi = 2 * j2 + 1 < n ? bf16_bits(sc[2 * j2 + 1]) : 0u;
+    dst[j2] = lo | hi << 16;
+  }
+}
+
 // softmax_update for a block of 32 keys all visible: raw scores sc[32] times scale, the
 // probabilities written as 16 bf16 pairs to pw
 inline void softmax_block32(Partial& ml, float* ar, int64_t d, const float* sc, float scale, uint32_t* pw) {
@@ -709,6 +722,8 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
 #pragma omp simd
           for (int64_t j = 0; j < bs; ++j) sc[j] *= scale;
           softmax_row(r, sc, from, visible);
+          // probs_to_bf16_pairs' loop without its tail (bs is a multiple of 32 here): calling it
+          // measured 6% slower on a 256-row chunk at 1,792 keys
           for (int64_t jb = 0; jb < bs; jb += 32) {
             const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + jb + 16), _mm512_loadu_ps(sc + jb));
             _mm512_storeu_si512(pw.data() + r * half + jb / 2, (__m512i)pb);
@@ -867,18 +882,8 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
       int64_t r = r0;
       if constexpr (bf16 && kDecodeBf16) {
 #if defined(__AVX512BF16__)
-        for (int64_t rr = r0; rr < r0 + group; ++rr) {   // probabilities -> bf16 pairs (0 past n)
-          const float* sc = scores.data() + rr * bs;
-          uint32_t* dst = pw.data() + rr * half;
-          int64_t j2 = 0;
-          for (; 2 * j2 + 32 <= bs; j2 += 16)
-            _mm512_storeu_si512(dst + j2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + 2 * j2 + 16),
-                                                                       _mm512_loadu_ps(sc + 2 * j2)));
-          for (; j2 < half; ++j2) {
-            const uint32_t lo = bf16_bits(sc[2 * j2]), hi = 2 * j2 + 1 < bs ? bf16_bits(sc[2 * j2 + 1]) : 0u;
-            dst[j2] = lo | hi << 16;
-          }
-        }
+        for (int64_t rr = r0; rr < r0 + group; ++rr)   // probabilities -> bf16 pairs (0 past n)
+          probs_to_bf16_pairs(scores.data() + rr * bs, bs, pw.data() + rr * half);
         const int64_t j2a = from / 2, j2b = (n + 1) / 2;
         const at::BFloat16* vbb = reinterpret_cast<const at::BFloat16*>(vb);
         for (; r + 2 <= r0 + group; r += 2)
@@ -897,6 +902,14 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
 #endif
 }
 #endif
+
+// Whether this build has attend_decode_heads for T and head dim DC (FASTGEN_DECODE_KERNEL=0
+// can still turn it off at run time): AVX-512, a head dim that is a multiple of 64 known at
+// compile time, and for bf16 the vdpbf16ps scores.
+template <typename T, int64_t DC>
+constexpr bool decode_heads_built() {
+  return kHaveDecodeKernel && DC > 0 && DC % 64 == 0 && (!std::is_same_v<T, at::BFloat16> || kDecodeBf16);
+}
 
 // DC: the head dim as a compile-time constant (64, 128: loops fully unrolled, no remainder
 // handling; measured 1.6x faster at 64) or 0 for any other head dim.
@@ -917,8 +930,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   // decodes as one item per key split with all their heads (attend_decode_heads) where that
   // kernel builds; else one per KV head (attend_item)
   bool heads = false;
-  if constexpr (kHaveDecodeKernel && DC > 0 && DC % 64 == 0)
-    heads = (!std::is_same_v<T, at::BFloat16> || kDecodeBf16) && decode_kernel_enabled();
+  if constexpr (decode_heads_built<T, DC>()) heads = decode_kernel_enabled();
   const int64_t decode_kv_items = heads ? 1 : kvh;
   std::vector<Item> items;
   std::vector<int64_t> first_item(num_seqs);
@@ -975,7 +987,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       const int64_t rows = all_heads ? h : (qb - qa) * group;
 #if defined(__AVX512F__)
       if (all_heads) {
-        if constexpr (kHaveDecodeKernel && DC > 0 && DC % 64 == 0)
+        if constexpr (decode_heads_built<T, DC>())
           attend_decode_heads<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, bs,
                                      scale, window, acc, ml, qf, scores, vf, pw);
       } else
@@ -1509,16 +1521,18 @@ template <typename T>
 void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const uint16_t* mins_h, T* y, int64_t m,
                 int64_t n, int64_t k, int kind, bool act_int8) {
   const int64_t groups = k / 32;
-  std::vector<float> xf(m * k), xsum(m * groups, 0.f);
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t i = 0; i < 32; ++i) xsum[r * groups + g] += xf[r * k + g * 32 + i];
   const int64_t row_bytes = kind == 4 ? k / 2 : k;
   const bool vnni = act_int8 && kHaveVnni;
   // bf16 x, 4-bit weights, whole pairs of groups: the bf16 dot products (qrow4_bf16_fused)
   const bool bf16_dot = kHaveBf16Dot && std::is_same<T, at::BFloat16>::value && kind == 4 && !vnni &&
                         groups % 2 == 0 && qgemv_bf16_enabled();
+  // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel
+  // takes x's group sums (for the minima)
+  std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(m * groups, 0.f);
+  for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = load(x, i);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = 0; i < 32; ++i) xsum[r * groups + g] += load(x, r * k + g * 32 + i);
   std::vector<uint16_t> xp(bf16_dot ? m * k : 0);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same<T, at::BFloat16>::value) {
@@ -1536,10 +1550,11 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups);
 #endif
   at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx, &xp](int64_t n0, int64_t n1) {
-    // this row's scales and minima in fp32 (16 per instruction from their fp16)
-    std::vector<float> row_scales(2 * groups);
+    // this row's scales and minima in fp32 (16 per instruction from their fp16), for the row
+    // kernels that take them so (the bf16 dot products widen them in registers)
+    std::vector<float> row_scales(bf16_dot ? 0 : 2 * groups);
     float* sc = row_scales.data();
-    float* mn = mins_h != nullptr ? sc + groups : nullptr;
+    float* mn = mins_h != nullptr && !bf16_dot ? sc + groups : nullptr;
     int64_t o = n0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (bf16_dot && m == 1) {   // one decode: two W rows at a time (qrows4_bf16_x1)
@@ -1567,7 +1582,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
         const int64_t rn = std::min<int64_t>(4, m - r0);
         float totals[4] = {};
         bool with_mins = false;   // the kernel summed the min terms already
-        const float* xr = xf.data() + r0 * k;
+        const float* xr = bf16_dot ? nullptr : xf.data() + r0 * k;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (bf16_dot) {
           const uint16_t* xps[4];
