@@ -254,6 +254,32 @@ def test_a_weight_kept_quantized_is_never_dequantized(smollm2_path, monkeypatch)
     assert sum(len(shape) == 2 for shape in seen) == 211          # 210 layer weights, the embedding
 
 
+def test_a_fused_layer_is_kept_quantized_only_when_all_its_parts_come_in_one_kind():
+    """accepts_quantized: a fused QKV whose parts come in different kinds (a 4-bit q and an 8-bit
+    v) or with a part missing (an F16 v) is loaded dense, its other layers quantized; a tied
+    embedding is held quantized (it is gathered from its rows)."""
+    from transformers import LlamaConfig
+
+    from fastgen.model.llama import LlamaForCausalLM
+    from fastgen.model.registry import model_config
+
+    hf = LlamaConfig(**TINY, tie_word_embeddings=True)
+    model = LlamaForCausalLM(model_config(hf), hf, 64)
+    layer = "model.layers.{}.{}.weight"
+    kinds = {layer.format(i, p): 4 for i in range(2) for p in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    kinds[layer.format(0, "self_attn.v_proj")] = 8                 # layer 0: mixed kinds
+    del kinds[layer.format(1, "mlp.up_proj")]                       # layer 1: an F16 part
+    kinds["model.embed_tokens.weight"] = 8
+    accepted = model.accepts_quantized(kinds)
+    assert layer.format(0, "self_attn.q_proj") not in accepted and layer.format(0, "self_attn.v_proj") not in accepted
+    assert layer.format(1, "mlp.gate_proj") not in accepted
+    assert {layer.format(1, "self_attn.q_proj"), layer.format(1, "self_attn.v_proj"), layer.format(0, "mlp.up_proj"),
+            layer.format(0, "self_attn.o_proj"), "model.embed_tokens.weight"} <= accepted
+    assert len(accepted) == len(kinds) - 3 - 1                      # layer 0's QKV, layer 1's gate
+
+
 _LOAD_MEMORY = """
 import os, sys, torch
 from fastgen import kernels
