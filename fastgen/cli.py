@@ -250,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if argv is None:   # run as the command: a faster allocator first (fastgen/launcher.py)
+        from .launcher import reexec_with_allocator
+
+        reexec_with_allocator([sys.executable, "-m", "fastgen.cli", *sys.argv[1:]])
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["bench"]:
         from .bench import cli_main

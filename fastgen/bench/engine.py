@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -44,6 +45,7 @@ from tqdm.auto import tqdm
 from ..calibrate import calibrate_engine_budget
 from ..config import DEFAULT_TARGET_ITL_MS
 from ..engine import Engine
+from ..launcher import MARK_ENV
 from ..model.layers import weight_bytes
 from ..request import SamplingParams
 from .engine_report import (Goal, goals, plot_curve, print_curve, print_decode, print_goals, print_machine,
@@ -152,7 +154,8 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     meta = replace(run_meta(args, engine, sizes, costs), busy_cpus_before=busy_before)
     print(f"fastgen engine benchmark: {Path(meta.model).name}, {meta.dtype}, {meta.device}, "
           f"{meta.num_threads} threads, {meta.cpu} [{meta.isa}], kernels={meta.kernels}, "
-          f"quantization={meta.quantization}{' (--quick)' if args.quick else ''}")
+          f"quantization={meta.quantization}, allocator={os.environ.get(MARK_ENV, 'system malloc')}"
+          f"{' (--quick)' if args.quick else ''}")
     if engine.budget_choice is not None:
         print(f"   calibrated {engine.budget_choice.describe()}")
     warn_if_busy(busy_before, "before the run")
@@ -196,4 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ..launcher import reexec_with_allocator
+
+    reexec_with_allocator([sys.executable, "-m", "fastgen.bench.engine", *sys.argv[1:]])   # as `fastgen` does
     sys.exit(main())
