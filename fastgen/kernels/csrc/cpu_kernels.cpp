@@ -1341,7 +1341,7 @@ constexpr bool kHaveVnni = false;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// x laid out for qrow4_bf16_fused (vdpbf16ps multiplies pairs of bf16; each 16-bit lane of the
+// x laid out for qrows4_bf16 (vdpbf16ps multiplies pairs of bf16; each 16-bit lane of the
 // weights holds nibbles that belong to different positions of x, so x is permuted to match).
 // A last pair of groups (32 bytes of weights widened to 16-bit lanes, low nibbles then high
 // ones): [g0 0..15, g1 0..15, g0 16..31, g1 16..31].
@@ -1394,126 +1394,80 @@ inline bool qgemv_bf16_enabled() {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// bf16 x against one 4-bit W row with vdpbf16ps, min terms included. A nibble q becomes the
-// bf16 value 128 + q by one bit operation (0x4300 | q: exponent 2^7, q in the mantissa's low
-// bits; exact, as bf16 holds every integer up to 256), which replaced a table lookup per 32
-// weights (vpermw, the bottleneck: ~60 -> ~40 cycles a row of 576). The 128 * sum(x) that the
-// offset adds per group is taken back with the minimum: the row's groups contribute
-// scale * dot(128 + q, x) + (min - 128 * scale) * sum(x). The groups go in quads
-// (bf16_x_quads' layout) and a last pair (bf16_x_pairs') into one set of accumulators,
-// reduced once per row; the min terms as masked FMAs with x's group sums xs. sc, mn: the
-// row's fp16 scales and minima, widened in registers (a round trip through a buffer cost
+// bf16 x against 4-bit W rows with vdpbf16ps, min terms included: WN consecutive W rows
+// (row_bytes apart, their scales and minima `groups` apart) against RN rows of x, totals
+// [WN][RN]. A nibble q becomes the bf16 value 128 + q by one bit operation (0x4300 | q:
+// exponent 2^7, q in the mantissa's low bits; exact, as bf16 holds every integer up to 256),
+// which replaced a table lookup per 32 weights (vpermw, the bottleneck: ~60 -> ~40 cycles a row
+// of 576). The 128 * sum(x) that the offset adds per group is taken back with the minimum: the
+// row's groups contribute scale * dot(128 + q, x) + (min - 128 * scale) * sum(x). The groups go
+// in quads (bf16_x_quads' layout) and a last pair (bf16_x_pairs') into one set of accumulators
+// per (W row, x row), reduced once; the min terms as masked FMAs with x's group sums xs. sc, mn:
+// the rows' fp16 scales and minima, widened in registers (a round trip through a buffer cost
 // more than the products: store-to-load forwarding fails from 512-bit and masked stores to
-// narrower loads). groups even.
-template <int RN>
-inline void qrow4_bf16_fused(const uint8_t* wr, const uint16_t* sc, const uint16_t* mn, const uint16_t* const* xp,
-                             const float* const* xs, int64_t groups, float* totals) {
-  __m512 acc[RN], accm[RN];
-  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm512_setzero_ps();
+// narrower loads). groups even. Each (W row, x row) takes the same operations in the same order
+// whatever WN and RN are, so a decode's output does not depend on its batch, bit for bit (a
+// test holds it). A single decode takes WN = 2, RN = 1: x's loads shared by two W rows and none
+// of the many-row loop's per-row set-up (SmolLM2's 3072 x 576 gate/up product from memory 38 ->
+// 25 us, 29 -> 45 GB/s, near the 50 GB/s the host reads at; the 121 GEMVs of a decode step 3.09
+// -> 2.71 ms; one W row at a time 25.8 us, four 25.2).
+template <int WN, int RN>
+__attribute__((always_inline)) inline void qrows4_bf16(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc, const uint16_t* mn,
+                        const uint16_t* const* xp, const float* const* xs, int64_t groups, float* totals) {
+  __m512 acc[WN][RN], accm[WN][RN];
+  for (int w = 0; w < WN; ++w)
+    for (int r = 0; r < RN; ++r) acc[w][r] = _mm512_setzero_ps(), accm[w][r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi16(0x0F), c128 = _mm512_set1_epi16(0x4300);
   // (b & m4) | c128 in one vpternlog: imm 0xEA = (A & B) | C
   auto bf = [&](__m512i b) { return (__m512bh)_mm512_ternarylogic_epi32(b, m4, c128, 0xEA); };
   const __m512i idx4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const int64_t quads = groups / 4;
   for (int64_t q = 0; q < quads; ++q) {
-    const __m512i b = _mm512_loadu_si512(wr + q * 64);
-    const __m512bh wa = bf(b), wb = bf(_mm512_srli_epi16(b, 4)), wc = bf(_mm512_srli_epi16(b, 8)),
-                   wd = bf(_mm512_srli_epi16(b, 12));
-    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 4 * q)));
-    const __m128 m4v = _mm_fnmadd_ps(_mm_set1_ps(128.f), s4,
-                                     _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + 4 * q))));
-    const __m512 scale = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(s4));
-    const __m512 minv = _mm512_zextps128_ps512(m4v);
-    for (int r = 0; r < RN; ++r) {
-      const uint16_t* xv = xp[r] + q * 128;
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, (__m512bh)_mm512_loadu_si512(xv));
-      __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, (__m512bh)_mm512_loadu_si512(xv + 32));
-      d = _mm512_dpbf16_ps(d, wc, (__m512bh)_mm512_loadu_si512(xv + 64));
-      e = _mm512_dpbf16_ps(e, wd, (__m512bh)_mm512_loadu_si512(xv + 96));
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(d, e), scale, acc[r]);
-      accm[r] = _mm512_fmadd_ps(minv, _mm512_maskz_loadu_ps(0xF, xs[r] + 4 * q), accm[r]);
+    for (int w = 0; w < WN; ++w) {
+      const __m512i b = _mm512_loadu_si512(wr + w * row_bytes + q * 64);
+      const __m512bh wa = bf(b), wb = bf(_mm512_srli_epi16(b, 4)), wc = bf(_mm512_srli_epi16(b, 8)),
+                     wd = bf(_mm512_srli_epi16(b, 12));
+      const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + w * groups + 4 * q)));
+      const __m128 m4v = _mm_fnmadd_ps(_mm_set1_ps(128.f), s4,
+          _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + w * groups + 4 * q))));
+      const __m512 scale = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(s4));
+      const __m512 minv = _mm512_zextps128_ps512(m4v);
+      for (int r = 0; r < RN; ++r) {
+        const uint16_t* xv = xp[r] + q * 128;
+        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wa, (__m512bh)_mm512_loadu_si512(xv));
+        __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb, (__m512bh)_mm512_loadu_si512(xv + 32));
+        d = _mm512_dpbf16_ps(d, wc, (__m512bh)_mm512_loadu_si512(xv + 64));
+        e = _mm512_dpbf16_ps(e, wd, (__m512bh)_mm512_loadu_si512(xv + 96));
+        acc[w][r] = _mm512_fmadd_ps(_mm512_add_ps(d, e), scale, acc[w][r]);
+        accm[w][r] = _mm512_fmadd_ps(minv, _mm512_maskz_loadu_ps(0xF, xs[r] + 4 * q), accm[w][r]);
+      }
     }
   }
   if (groups % 4) {  // the last pair of groups: one byte per 16-bit lane
     const int64_t g0 = quads * 4;
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + quads * 64)));
-    const __m512bh wlo = bf(b), whi = bf(_mm512_srli_epi16(b, 4));
-    const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    uint32_t sbits, mbits;   // two fp16 each
-    std::memcpy(&sbits, sc + g0, 4);
-    std::memcpy(&mbits, mn + g0, 4);
-    const __m128 s2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)));   // lanes 2, 3 zero
-    const __m128 m2 = _mm_fnmadd_ps(_mm_set1_ps(128.f), s2, _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(mbits))));
-    const __m512 scale = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(s2));
-    const __m512 minv = _mm512_zextps128_ps512(m2);
-    for (int r = 0; r < RN; ++r) {
-      const uint16_t* xv = xp[r] + quads * 128;
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wlo, (__m512bh)_mm512_loadu_si512(xv));
-      d = _mm512_dpbf16_ps(d, whi, (__m512bh)_mm512_loadu_si512(xv + 32));
-      acc[r] = _mm512_fmadd_ps(d, scale, acc[r]);
-      accm[r] = _mm512_fmadd_ps(minv, _mm512_maskz_loadu_ps(0x3, xs[r] + g0), accm[r]);   // minv's lanes 2.. are 0
-    }
-  }
-  for (int r = 0; r < RN; ++r) totals[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], accm[r]));
-}
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// One row of x (a single decode) against WN consecutive 4-bit W rows (row_bytes apart): for each
-// (W row, group) the very operations of qrow4_bf16_fused in the same order, so that a decode's
-// output does not depend on how many rows its batch has, bit for bit (a test holds it). Two rows
-// at a time, x's loads shared, and none of the per-row set-up of the many-row loop below
-// (pointer arrays, the kernel's dispatch, a fresh set of totals): SmolLM2's 3072 x 576 gate/up
-// product from memory 38 -> 25 us (29 -> 45 GB/s, near the 50 GB/s the host reads at), 34 -> 18
-// us from cache; the 121 GEMVs of a decode step 3.09 -> 2.71 ms (one W row at a time: 25.8 us,
-// four: 25.2).
-template <int WN>
-inline void qrows4_bf16_x1(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc, const uint16_t* mn,
-                           const uint16_t* xp, const float* xs, int64_t groups, float* totals) {
-  __m512 acc[WN], accm[WN];
-  for (int w = 0; w < WN; ++w) acc[w] = _mm512_setzero_ps(), accm[w] = _mm512_setzero_ps();
-  const __m512i m4 = _mm512_set1_epi16(0x0F), c128 = _mm512_set1_epi16(0x4300);
-  auto bf = [&](__m512i b) { return (__m512bh)_mm512_ternarylogic_epi32(b, m4, c128, 0xEA); };
-  const __m512i idx4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const int64_t quads = groups / 4;
-  for (int64_t q = 0; q < quads; ++q) {
-    const uint16_t* xv = xp + q * 128;
-    const __m512bh xa = (__m512bh)_mm512_loadu_si512(xv), xb = (__m512bh)_mm512_loadu_si512(xv + 32),
-                   xc = (__m512bh)_mm512_loadu_si512(xv + 64), xd = (__m512bh)_mm512_loadu_si512(xv + 96);
-    const __m512 xsum = _mm512_maskz_loadu_ps(0xF, xs + 4 * q);
-    for (int w = 0; w < WN; ++w) {
-      const __m512i b = _mm512_loadu_si512(wr + w * row_bytes + q * 64);
-      const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + w * groups + 4 * q)));
-      const __m128 m4v = _mm_fnmadd_ps(_mm_set1_ps(128.f), s4,
-          _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + w * groups + 4 * q))));
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), bf(b), xa);
-      __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), bf(_mm512_srli_epi16(b, 4)), xb);
-      d = _mm512_dpbf16_ps(d, bf(_mm512_srli_epi16(b, 8)), xc);
-      e = _mm512_dpbf16_ps(e, bf(_mm512_srli_epi16(b, 12)), xd);
-      acc[w] = _mm512_fmadd_ps(_mm512_add_ps(d, e), _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(s4)), acc[w]);
-      accm[w] = _mm512_fmadd_ps(_mm512_zextps128_ps512(m4v), xsum, accm[w]);
-    }
-  }
-  if (groups % 4) {
-    const int64_t g0 = quads * 4;
-    const uint16_t* xv = xp + quads * 128;
-    const __m512bh xlo = (__m512bh)_mm512_loadu_si512(xv), xhi = (__m512bh)_mm512_loadu_si512(xv + 32);
-    const __m512 xsum = _mm512_maskz_loadu_ps(0x3, xs + g0);
     const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int w = 0; w < WN; ++w) {
-      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + quads * 64)));
-      uint32_t sbits, mbits;
+      const __m512i b = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + quads * 64)));
+      const __m512bh wlo = bf(b), whi = bf(_mm512_srli_epi16(b, 4));
+      uint32_t sbits, mbits;   // two fp16 each
       std::memcpy(&sbits, sc + w * groups + g0, 4);
       std::memcpy(&mbits, mn + w * groups + g0, 4);
-      const __m128 s2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)));
+      const __m128 s2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)));   // lanes 2, 3 zero
       const __m128 m2 = _mm_fnmadd_ps(_mm_set1_ps(128.f), s2, _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(mbits))));
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), bf(b), xlo);
-      d = _mm512_dpbf16_ps(d, bf(_mm512_srli_epi16(b, 4)), xhi);
-      acc[w] = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(s2)), acc[w]);
-      accm[w] = _mm512_fmadd_ps(_mm512_zextps128_ps512(m2), xsum, accm[w]);
+      const __m512 scale = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(s2));
+      const __m512 minv = _mm512_zextps128_ps512(m2);
+      for (int r = 0; r < RN; ++r) {
+        const uint16_t* xv = xp[r] + quads * 128;
+        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), wlo, (__m512bh)_mm512_loadu_si512(xv));
+        d = _mm512_dpbf16_ps(d, whi, (__m512bh)_mm512_loadu_si512(xv + 32));
+        acc[w][r] = _mm512_fmadd_ps(d, scale, acc[w][r]);
+        accm[w][r] = _mm512_fmadd_ps(minv, _mm512_maskz_loadu_ps(0x3, xs[r] + g0), accm[w][r]);   // lanes 2.. 0
+      }
     }
   }
-  for (int w = 0; w < WN; ++w) totals[w] = _mm512_reduce_add_ps(_mm512_add_ps(acc[w], accm[w]));
+  for (int w = 0; w < WN; ++w)
+    for (int r = 0; r < RN; ++r) totals[w * RN + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[w][r], accm[w][r]));
 }
 #endif
 
@@ -1523,7 +1477,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   const int64_t groups = k / 32;
   const int64_t row_bytes = kind == 4 ? k / 2 : k;
   const bool vnni = act_int8 && kHaveVnni;
-  // bf16 x, 4-bit weights, whole pairs of groups: the bf16 dot products (qrow4_bf16_fused)
+  // bf16 x, 4-bit weights, whole pairs of groups: the bf16 dot products (qrows4_bf16)
   const bool bf16_dot = kHaveBf16Dot && std::is_same<T, at::BFloat16>::value && kind == 4 && !vnni &&
                         groups % 2 == 0 && qgemv_bf16_enabled();
   // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel
@@ -1557,14 +1511,15 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     float* mn = mins_h != nullptr && !bf16_dot ? sc + groups : nullptr;
     int64_t o = n0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (bf16_dot && m == 1) {   // one decode: two W rows at a time (qrows4_bf16_x1)
+    if (bf16_dot && m == 1) {   // one decode: two W rows at a time (qrows4_bf16<2, 1>)
       constexpr int WN = 2;
       for (; o + WN <= n1; o += WN) {
         const uint8_t* wr = qw + o * row_bytes;
         for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
         float totals[WN];
-        qrows4_bf16_x1<WN>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xp.data(), xsum.data(),
-                           groups, totals);
+        const uint16_t* x1 = xp.data();
+        const float* xs1 = xsum.data();
+        qrows4_bf16<WN, 1>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, &x1, &xs1, groups, totals);
         for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
       }
     }
@@ -1589,8 +1544,8 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
           const float* xss[4];
           for (int64_t r = 0; r < rn; ++r) xps[r] = xp.data() + (r0 + r) * k, xss[r] = xsum.data() + (r0 + r) * groups;
           by_rows(rn, [&](auto rows) {
-            qrow4_bf16_fused<decltype(rows)::value>(wr, scales_h + o * groups, mins_h + o * groups, xps, xss,
-                                                    groups, totals);
+            qrows4_bf16<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xps,
+                                                  xss, groups, totals);
           });
           with_mins = true;
         } else
