@@ -100,8 +100,8 @@ def gguf_kind(qtype: str) -> int | None:
 
 
 def _fp16(blk: np.ndarray, at: int) -> np.ndarray:
-    """The fp16 field at byte ``at`` of every block ``blk [..., block bytes]``, as fp32."""
-    return blk[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    """The fp16 field at byte ``at`` of every block ``blk [..., block bytes]``."""
+    return blk[..., at:at + 2].copy().view(np.float16)[..., 0]
 
 
 def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
@@ -116,21 +116,21 @@ def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
     rows = raw.shape[0]
     if qtype == "Q8_0":
         blk = raw.reshape(rows, -1, 34)
-        scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
+        scales = _fp16(blk, 0)
         q = np.ascontiguousarray(blk[..., 2:]).reshape(rows, -1)
         return QuantRows(8, torch.from_numpy(q), torch.from_numpy(scales), None)
     if qtype == "Q5_0":     # w = d * (q - 16), q in 0..31: the int8 value q - 16 with the scale d
         w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0).reshape(rows, -1, GROUP)
         d = _fp16(raw.reshape(rows, -1, 22), 0)
-        q = np.rint(w / np.where(d == 0, 1, d)[..., None]).astype(np.int8)   # exact: w = d * q in fp32
-        return QuantRows(8, torch.from_numpy(q.reshape(rows, -1).view(np.uint8)),
-                         torch.from_numpy(d.astype(np.float16)), None)
+        d32 = d.astype(np.float32)
+        q = np.rint(w / np.where(d32 == 0, 1, d32)[..., None]).astype(np.int8)   # exact: w = d * q in fp32
+        return QuantRows(8, torch.from_numpy(q.reshape(rows, -1).view(np.uint8)), torch.from_numpy(d), None)
     if qtype == "Q4_K":     # per 256: d, dmin, 8 x (6-bit sc, 6-bit m), 128 bytes of nibbles
         blk = raw.reshape(rows, -1, 144)
         n = blk.shape[1]
         sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blk[..., 4:16]).reshape(-1, 12))
-        scales = _fp16(blk, 0)[..., None] * sc.reshape(rows, n, 8)
-        mins = -_fp16(blk, 2)[..., None] * m.reshape(rows, n, 8)
+        scales = _fp16(blk, 0).astype(np.float32)[..., None] * sc.reshape(rows, n, 8)
+        mins = -_fp16(blk, 2).astype(np.float32)[..., None] * m.reshape(rows, n, 8)
         # 4 x 32 bytes: low nibbles are sub-block 2j's 32 values, high nibbles sub-block 2j+1's
         qs = blk[..., 16:].reshape(rows, n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
         v = (qs & 0x0F).reshape(rows, n * 8, GROUP)
@@ -143,12 +143,11 @@ def from_gguf(qtype: str, raw: np.ndarray) -> QuantRows:
         return quantize(torch.from_numpy(w), 8)
     if qtype == "Q4_1":
         blk = raw.reshape(rows, -1, 20)
-        scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
-        mins = blk[..., 2:4].copy().view(np.float16)[..., 0]
+        scales, mins = _fp16(blk, 0), _fp16(blk, 2)
         qs = blk[..., 4:]
     elif qtype == "Q4_0":
         blk = raw.reshape(rows, -1, 18)
-        scales = blk[..., 0:2].copy().view(np.float16)[..., 0]
+        scales = _fp16(blk, 0)
         mins = (-8.0 * scales.astype(np.float32)).astype(np.float16)   # exact: a power of two
         qs = blk[..., 2:]
     else:
