@@ -221,6 +221,16 @@ STACKED = {
 }
 
 
+def stacked_name(name: str) -> tuple[str, int] | None:
+    """A checkpoint name of a fused layer's part (``...q_proj.weight``) as the fused layer's name
+    (``...qkv_proj.weight``) and the part's index; None for any other name."""
+    frag = next((f for f in STACKED if f".{f}." in name), None)
+    if frag is None:
+        return None
+    target, part = STACKED[frag]
+    return name.replace(frag, target), part
+
+
 class LlamaForCausalLM(nn.Module):
     """``forward(batch, pool) -> logits [len(batch.logits_indices), vocab]`` in fp32.
 
@@ -286,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
             quant = QuantEmbedding(self._embed_quant, dtype)
             if hasattr(self.embed_tokens, "hold_quantized"):
                 self.embed_tokens.hold_quantized(quant)
-            elif type(self.embed_tokens) is nn.Embedding:
+            elif self._gathers_from_rows():
                 self.embed_tokens = quant
         if kernels == "native":
             if not native_supported(device, dtype):
@@ -328,16 +338,18 @@ class LlamaForCausalLM(nn.Module):
             self.__dict__["_runs"] = runs
         return runs
 
+    def _gathers_from_rows(self) -> bool:
+        """Whether prepare() gives the embedding its quantized rows: a plain nn.Embedding (then
+        replaced) or a tensor-parallel slice (which holds them); a family's own embedding keeps
+        its dense weight."""
+        return hasattr(self.embed_tokens, "hold_quantized") or type(self.embed_tokens) is nn.Embedding
+
     def _quant_target(self, name: str) -> tuple[str, int] | None:
         """``(module name, part)`` that holds HF-named weight ``name`` (no ``model.`` prefix)
         quantized: a linear layer's part, or ``("embed_tokens", 0)``; None for any other tensor."""
         if name == "embed_tokens.weight":
             return "embed_tokens", 0
-        fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
-        part = 0
-        if fused is not None:
-            frag, target, part = fused
-            name = name.replace(frag, target)
+        name, part = stacked_name(name) or (name, 0)
         module_name, _, kind = name.rpartition(".")
         if kind != "weight":
             return None
@@ -359,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         accepted = set()
         for module_name, parts in by_module.items():
             if module_name == "embed_tokens":
-                if not (hasattr(self.embed_tokens, "hold_quantized") or type(self.embed_tokens) is nn.Embedding):
+                if not self._gathers_from_rows():
                     continue
             elif len(parts) != self.get_submodule(module_name).num_parts:
                 continue
@@ -426,10 +438,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if tensor is not None:
                 name, tensor = self.checkpoint_tensor(name, tensor)
-            fused = next(((frag, *STACKED[frag]) for frag in STACKED if f".{frag}." in name), None)
+            fused = stacked_name(name)
             if fused is not None:
-                frag, target, part = fused
-                module_name, _, kind = name.replace(frag, target).rpartition(".")
+                module_name, _, kind = fused[0].rpartition(".")
+                part = fused[1]
                 module = self.get_submodule(module_name)
                 if tensor is not None:
                     with torch.no_grad():
