@@ -31,9 +31,10 @@ from ..config import cache_dir, cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-# every source of the extension (qgemm.cpp: quantized weights times many rows)
-SOURCES = (SOURCE, SOURCE.with_name("qgemm.cpp"))
-HEADERS = (SOURCE.with_name("quant_rows.h"),)   # included by the sources: part of the build key
+# every source of the extension (qgemm.cpp: quantized weights times many rows; qgemm_a8.cpp:
+# the same with x quantized to int8)
+SOURCES = (SOURCE, SOURCE.with_name("qgemm.cpp"), SOURCE.with_name("qgemm_a8.cpp"))
+HEADERS = (SOURCE.with_name("quant_rows.h"), SOURCE.with_name("gemm_tile.h"))   # included by the sources: part of the build key
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 

@@ -219,6 +219,10 @@ class QuantWeight:
     # 1.63 / 3.92 ms for 6 rows, 4.00 / 5.18 for 8, 5.14 / 3.65 for 12: qgemm's dequantizing
     # costs more per weight for bytes than for nibbles (no table lookup)
     MAX_QGEMV_ROWS_8BIT = 8
+    # rows from which int8 activations take qgemm_a8 (VNNI, x in int8 per group of 32) rather
+    # than qgemm: SmolLM2's layer shapes, two threads, rate against qgemm's 0.88-0.92x at 16
+    # rows, 0.71-1.10x at 64, 1.16-1.35x at 256, 1.08-1.18x at 512 (docs/architecture.md)
+    MIN_A8_ROWS = 128
 
     def __init__(self, quant: QuantRows, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
         self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.half().contiguous(),
@@ -227,19 +231,29 @@ class QuantWeight:
         self._bias_f32 = None if bias is None else bias.float().contiguous()
         self.max_qgemv_rows = self.MAX_QGEMV_ROWS_8BIT if quant.kind == 8 else self.MAX_QGEMV_ROWS
         self._qgemv, self._qgemm = torch.ops.fastgen.qgemv, torch.ops.fastgen.qgemm
-        # int8 activations (per group of 32, VNNI dot products; off by default): 13% faster
-        # decode steps, perplexity +1.3%, and decode rows then differ from prompt rows by the
-        # activations' rounding, so greedy parity with the reference and seeded outputs that do
-        # not depend on the batch no longer hold exactly (docs/architecture.md)
-        self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni())
-        bf16_dot = quant.kind == 4 and not self.act_int8 and torch.ops.fastgen.have_bf16_dot()
+        self._qgemm_a8 = getattr(torch.ops.fastgen, "qgemm_a8", None)
+        # int8 activations (per group of 32, VNNI dot products; off by default), where they pay:
+        # - prompt rows (MIN_A8_ROWS or more): qgemm_a8, products 1.1-1.35x qgemm's rate, a
+        #   2,048-token prefill 1.03-1.17x faster, prompt perplexity +0.4%;
+        # - decode rows only where qgemv has no bf16 dot products (fp32 activations, 8-bit rows,
+        #   CPUs without AVX512-BF16): there 13% faster decode steps, perplexity +1.3%; in bf16
+        #   against the bf16 dot products their decode steps ran 0.85x as fast, so those stay.
+        # Decode rows then differ from prompt rows by the activations' rounding, so greedy parity
+        # with the reference and seeded outputs that do not depend on the batch no longer hold
+        # exactly (docs/architecture.md)
+        self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni() and self._qgemm_a8 is not None)
+        bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot()
         self.max_qgemv_rows_bf16 = self.MAX_QGEMV_ROWS_BF16 if bf16_dot else self.max_qgemv_rows
+        self._decode_a8_bf16 = self.act_int8 and not bf16_dot   # bf16 decode rows in int8
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
         if x.shape[0] <= (self.max_qgemv_rows_bf16 if x.dtype == torch.bfloat16 else self.max_qgemv_rows):
-            y = self._qgemv(x, q.qweight, q.scales, q.mins, q.kind, self.act_int8)
+            a8 = self._decode_a8_bf16 if x.dtype == torch.bfloat16 else self.act_int8
+            y = self._qgemv(x, q.qweight, q.scales, q.mins, q.kind, a8)
             return y if self.bias is None else y + self.bias
+        if self.act_int8 and x.shape[0] >= self.MIN_A8_ROWS:
+            return self._qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, self._bias_f32)
         return self._qgemm(x, q.qweight, q.scales, q.mins, q.kind, self._bias_f32)
 
     @property

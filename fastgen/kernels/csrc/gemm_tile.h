@@ -1,0 +1,97 @@
+// What the many-row products over quantized rows (qgemm.cpp, qgemm_a8.cpp) share: fp32 ->
+// bf16 rounding, a 16 x 16 register transpose, and the store of a tile of accumulators held
+// with one row of x per vector lane.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+inline uint16_t to_bf16(float v) {   // round to nearest even, as c10::BFloat16 for finite values
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__AVX512F__)
+// 16 fp32 -> 16 bf16, round to nearest even: one vcvtneps2bf16 where AVX512-BF16 exists (it
+// reads fp32 denormals as zero, which q * scale never gives), else to_bf16 in integer ops
+inline __m256i bf16_vec(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+#endif
+
+
+#if defined(__AVX512F__)
+// v[0..15] (16 x 16 fp32) transposed in registers
+inline void transpose16(__m512* v) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const __m512d a = _mm512_castps_pd(t[4 * i + j]), b = _mm512_castps_pd(t[4 * i + j + 2]);
+      v[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      v[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  // v now holds, per 128-bit lane L of register 4i + q, rows 4i..4i+3 of column 4L + q
+  for (int i = 0; i < 2; ++i)
+    for (int q = 0; q < 4; ++q) {
+      t[8 * i + q] = _mm512_shuffle_f32x4(v[8 * i + q], v[8 * i + 4 + q], 0x88);      // lanes 0, 2 | 0, 2
+      t[8 * i + 4 + q] = _mm512_shuffle_f32x4(v[8 * i + q], v[8 * i + 4 + q], 0xDD);  // lanes 1, 3 | 1, 3
+    }
+  for (int q = 0; q < 4; ++q) {
+    v[q] = _mm512_shuffle_f32x4(t[q], t[8 + q], 0x88);
+    v[8 + q] = _mm512_shuffle_f32x4(t[q], t[8 + q], 0xDD);
+    v[4 + q] = _mm512_shuffle_f32x4(t[4 + q], t[12 + q], 0x88);
+    v[12 + q] = _mm512_shuffle_f32x4(t[4 + q], t[12 + q], 0xDD);
+  }
+}
+#endif
+
+// acc [NRT][MBT] fp32 (lane = row) -> y rows r0.. (up to m), columns o0 .. o0 + nc - 1, plus
+// bias (fp32, may be null), rounded once to T
+template <typename T, int NRT, int MBT>
+inline void store_tile(const float* acc, int64_t m, int nc, T* y, int64_t n, int64_t r0, int64_t o0,
+                       const float* bias) {
+  const int rows = static_cast<int>(std::min<int64_t>(MBT, m - r0));
+#if defined(__AVX512F__)
+  static_assert(NRT <= 16 && MBT % 16 == 0, "store_tile transposes 16 x 16 at a time");
+  const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
+  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
+  for (int h = 0; h * 16 < rows; ++h) {
+    __m512 v[16];
+    for (int c = 0; c < 16; ++c) v[c] = c < NRT ? _mm512_loadu_ps(acc + c * MBT + 16 * h) : _mm512_setzero_ps();
+    transpose16(v);   // v[i]: row 16 h + i, lane c = output feature o0 + c
+    for (int i = 0; i < 16 && 16 * h + i < rows; ++i) {
+      const __m512 out = _mm512_add_ps(v[i], bv);
+      const int64_t at = (r0 + 16 * h + i) * n + o0;
+      if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(y + at, cols, out);
+      else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + at, cols, bf16_vec(out));
+    }
+  }
+#else
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < nc; ++c) {
+      const float v = acc[c * MBT + r] + (bias != nullptr ? bias[o0 + c] : 0.f);
+      if constexpr (std::is_same_v<T, float>) y[(r0 + r) * n + o0 + c] = v;
+      else reinterpret_cast<uint16_t*>(y)[(r0 + r) * n + o0 + c] = to_bf16(v);
+    }
+#endif
+}
