@@ -73,13 +73,14 @@ def choose_budget(curve: list[tuple[int, float]], target_itl_ms: float) -> tuple
 
 
 def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: int, block_size: int,
-              device: torch.device, tensor_parallel_size: int = 1) -> str:
+              device: torch.device, tensor_parallel_size: int = 1, precision: str = "") -> str:
     h = hashlib.sha256()
     h.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     st = os.stat(model_path) if os.path.isfile(model_path) else None
     h.update(f"{model_path}|{st.st_size if st else 0}|{st.st_mtime_ns if st else 0}|{dtype}|{kernels}|"
              f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}".encode()
-             + (f"|tp{tensor_parallel_size}".encode() if tensor_parallel_size > 1 else b""))
+             + (f"|tp{tensor_parallel_size}".encode() if tensor_parallel_size > 1 else b"")
+             + (f"|{precision}".encode() if precision else b""))
     return h.hexdigest()[:16]
 
 
@@ -116,10 +117,12 @@ def measure_curve(model: torch.nn.Module, *, model_config, num_kv_heads: int,
 
 
 def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: float, kernels: str,
-                     num_threads: int, max_tokens: int, tensor_parallel_size: int = 1, **shape) -> BudgetChoice:
-    """The budget for this host and model, measured once and cached (see module doc)."""
+                     num_threads: int, max_tokens: int, tensor_parallel_size: int = 1, precision: str = "",
+                     **shape) -> BudgetChoice:
+    """The budget for this host and model, measured once and cached (see module doc);
+    ``precision``: the weights' and activations' mode, part of the cache key (its speed differs)."""
     key = _host_key(model_path, shape["dtype"], kernels, num_threads, shape["block_size"], shape["device"],
-                    tensor_parallel_size)
+                    tensor_parallel_size, precision)
     path: Path = cache_dir() / "budget" / f"{key}.json"
     curve: list[tuple[int, float]] | None = None
     cached = False
@@ -153,4 +156,5 @@ def calibrate_engine_budget(model: torch.nn.Module, model_config, config, target
         model, model_path=config.model_path, target_itl_ms=target_itl_ms, kernels=config.kernels,
         num_threads=config.num_threads, max_tokens=config.max_model_len, model_config=model_config,
         tensor_parallel_size=config.tensor_parallel_size, num_kv_heads=local_kv_heads(model, model_config),
+        precision=f"{config.quantization}|a8={config.int8_activations}",
         block_size=config.cache.block_size, dtype=config.dtype, device=config.device)

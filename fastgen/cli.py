@@ -32,7 +32,9 @@ _ENGINE_HELP = {
     "scheduler": "splitfuse (Dynamic SplitFuse) | the baselines of fastgen.scheduler",
     "kernels": "auto | native (fastgen's CPU kernels) | torch",
     "quantization": "auto (a GGUF's weights as shipped) | none | int8 | int4",
-    "int8_activations": "int8 activations in the int8 GEMMs (faster, less exact)",
+    "int8_activations": "int8 activations (VNNI) for prompt rows of quantized layers, and for decode rows where "
+                        "qgemv has no bf16 dot products (faster, less exact; default: on unless --dtype "
+                        "float32 is given)",
     "tensor_parallel_size": "ranks of one replica, each holding 1/N of the weights and KV cache (one process "
                             "per rank, started by fastgen, or by torchrun across machines)",
 }

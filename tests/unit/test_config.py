@@ -24,6 +24,7 @@ def test_auto_dtype_follows_the_cpu():
     (dict(reserve_blocks=-2), "reserve_blocks"),
     (dict(scheduler="fifo"), "scheduler"),
     (dict(tokens_per_step=3), "tokens_per_step"),
+    (dict(int8_activations="yes"), "int8_activations"),
 ])
 def test_bad_engine_options_are_named(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
@@ -40,6 +41,17 @@ def test_pool_is_sized_from_bytes_or_blocks():
     cfg = resolve_engine_config("m", EngineOptions(dtype="float32", num_blocks=10, max_model_len=99999),
                                 kv_elems_per_token=per_token, model_max_len=8192)
     assert cfg.cache.num_blocks == 10 and cfg.max_model_len == 8192 and cfg.dtype == torch.float32
+
+
+@pytest.mark.parametrize("asked, dtype, want", [
+    (None, "auto", True), (None, "bfloat16", True), (None, torch.bfloat16, True),
+    (None, "float32", False), (None, torch.float32, False),   # fp32 by name: exact products
+    (True, "float32", True), (False, "auto", False), (False, "bfloat16", False),
+])
+def test_int8_activations_are_on_unless_fp32_is_asked_for(asked, dtype, want):
+    cfg = resolve_engine_config("m", EngineOptions(dtype=dtype, int8_activations=asked, num_blocks=4),
+                                kv_elems_per_token=64, model_max_len=256)
+    assert cfg.int8_activations is want
 
 
 def test_server_argv_round_trips_through_the_cli():
