@@ -34,7 +34,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # every source of the extension (qgemm.cpp: quantized weights times many rows; qgemm_a8.cpp:
 # the same with x quantized to int8)
 SOURCES = (SOURCE, SOURCE.with_name("qgemm.cpp"), SOURCE.with_name("qgemm_a8.cpp"))
-HEADERS = (SOURCE.with_name("quant_rows.h"), SOURCE.with_name("gemm_tile.h"))   # included by the sources: part of the build key
+# included by the sources: part of the build key
+HEADERS = (SOURCE.with_name("quant_rows.h"), SOURCE.with_name("gemm_tile.h"), SOURCE.with_name("fast_math.h"))
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 

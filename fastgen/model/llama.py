@@ -160,8 +160,15 @@ class MLP(nn.Module):
     def bind(self) -> Callable[[torch.Tensor, Ops], torch.Tensor]:
         """``forward`` as a closure over this module's parts (as :meth:`Attention.bind`)."""
         gate_up_proj, down_proj, act = self.gate_up_proj, self.down_proj, self.act
+        # a weight format that applies the activation itself as it stores the product (quantized
+        # rows, prompt chunks); None where it does not
+        fused = getattr(gate_up_proj.format, "matmul_silu_mul", None) if act == "silu" else None
 
         def feed(x: torch.Tensor, ops: Ops) -> torch.Tensor:
+            if fused is not None:
+                h = fused(x)                                            # [T, I] or None
+                if h is not None:
+                    return down_proj(h)
             gate_up = gate_up_proj(x)                                   # [T, 2I]
             if act == "silu":
                 return down_proj(ops.silu_mul(gate_up))

@@ -173,6 +173,29 @@ def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype
                                got.float() - bias, atol=tol * 4 * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("rows,inter,k", [(9, 1536, 576), (130, 20, 64), (300, 36, 96)])  # 20, 36: a short last panel pair
+def test_the_fused_activation_equals_silu_mul_of_the_product(dtype, int8_activations, rows, inter, k):
+    """A gate/up format applies silu(gate) * up as it stores its tiles: in bf16 bit for bit what
+    silu_mul of the stored product gives (the same roundings), in fp32 within the exp's last bits."""
+    if int8_activations:
+        _skip_without_vnni()
+    g = torch.Generator().manual_seed(rows + inter)
+    fmt = QuantWeight(quantize(torch.randn(2 * inter, k, generator=g), 4), None, int8_activations)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    fused = fmt.matmul_silu_mul(x)
+    want = torch.ops.fastgen.silu_mul(fmt.matmul(x))
+    assert fused is not None and fused.shape == (rows, inter) and fused.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(fused, want)
+    else:
+        torch.testing.assert_close(fused, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    assert fmt.matmul_silu_mul(x[:1]) is None                  # decode rows: qgemv, then silu_mul
+    with_bias = QuantWeight(fmt.quant, torch.zeros(2 * inter))
+    assert with_bias.matmul_silu_mul(x) is None
+
+
 def test_int8_activations_take_prompt_rows_and_leave_bf16_decode_rows_exact():
     """With int8 activations a product of MIN_A8_ROWS rows or more takes qgemm_a8; bf16 decode
     rows keep qgemv's exact bf16 dot products where the CPU has them (faster there), so they are

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "fast_math.h"
 #include "quant_rows.h"
 
 #if defined(__AVX512F__)
@@ -60,28 +61,6 @@ inline float round_to(float v) {
     std::memcpy(&f, &u, 4);
     return f;
   }
-}
-
-// exp(x), vectorisable (the softmax, SiLU; a scalar expf per element cost ~35 ms of a
-// 256-token step): 2^(x log2 e) split into an integer power
-// (built in the exponent bits) and 2^f, |f| <= 1/2, by its degree-6 Taylor polynomial
-// (relative error ~1e-7). Inputs below -87 give ~1e-38 (exp(-inf) -> ~0).
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::floor(t + 0.5f);
-  const float f = t - fi;
-  float p = 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -541,24 +520,6 @@ constexpr bool kDecodeBf16 = false;
 constexpr bool kHaveDecodeKernel = false;
 #endif
 
-#if defined(__AVX512F__)
-// fast_exp on 16 lanes (the same steps)
-inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // probabilities sc[0..n) as (n + 1) / 2 bf16 pairs, round to nearest even (the PV kernels'
 // operand: pair j holds keys 2j and 2j + 1; a last odd key pairs with 0)

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "fast_math.h"
+
 inline uint16_t to_bf16(float v) {   // round to nearest even, as c10::BFloat16 for finite values
   uint32_t u;
   std::memcpy(&u, &v, 4);
@@ -93,5 +95,38 @@ inline void store_tile(const float* acc, int64_t m, int nc, T* y, int64_t n, int
       if constexpr (std::is_same_v<T, float>) y[(r0 + r) * n + o0 + c] = v;
       else reinterpret_cast<uint16_t*>(y)[(r0 + r) * n + o0 + c] = to_bf16(v);
     }
+#endif
+}
+
+// The MLP's activation on a pair of tiles [NRT][MBT] (lane = row) of the fused gate/up product:
+// g = silu(g) * u in place, with the roundings of the unfused path (each product output rounded
+// to T, silu rounded to T before the multiply); the result's own rounding is store_tile's.
+template <typename T, int NRT, int MBT>
+inline void silu_mul_tile(float* g, const float* u) {
+#if defined(__AVX512F__)
+  auto round = [](__m512 v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_vec(v)), 16));
+  };
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  for (int i = 0; i < NRT * MBT; i += 16) {
+    const __m512 gv = round(_mm512_loadu_ps(g + i));
+    const __m512 s = round(_mm512_div_ps(gv, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(zero, gv)))));
+    _mm512_storeu_ps(g + i, _mm512_mul_ps(s, round(_mm512_loadu_ps(u + i))));
+  }
+#else
+  auto round = [](float v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else {
+      const uint32_t b = static_cast<uint32_t>(to_bf16(v)) << 16;
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    }
+  };
+  for (int i = 0; i < NRT * MBT; ++i) {
+    const float gv = round(g[i]);
+    g[i] = round(gv / (1.f + fast_exp(-gv))) * round(u[i]);
+  }
 #endif
 }

@@ -172,8 +172,10 @@ inline void micro_a8(const int32_t* xa, const float* dx, const float* dsum, cons
 
 template <typename T>
 void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias,
-                   T* y, int64_t m, int64_t n, int64_t k, int kind) {
-  const int64_t groups = k / 32, blocks = (m + MB8 - 1) / MB8, panels = (n + NR8 - 1) / NR8;
+                   T* y, int64_t m, int64_t n, int64_t k, int kind, bool silu) {
+  // silu: [gate; up] rows, y = silu(gate) * up [m, n / 2], panels in pairs (as qgemm's)
+  const int64_t out_n = silu ? n / 2 : n;
+  const int64_t groups = k / 32, blocks = (m + MB8 - 1) / MB8, panels = (out_n + NR8 - 1) / NR8;
   const int64_t block_words = (k / 4) * MB8, block_groups = groups * MB8;
   // x quantized once, into buffers this thread keeps and only grows (as qgemm's repacked x)
   static thread_local std::vector<int32_t> xa_store;
@@ -195,22 +197,28 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
   for (int64_t c0 = 0; c0 < blocks; c0 += chunk_blocks) {
     const int64_t c1 = std::min(blocks, c0 + chunk_blocks);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<uint32_t> u(static_cast<size_t>(NR8) * k / 4);
-      std::vector<float> sm(static_cast<size_t>(2 * NR8) * groups);
-      alignas(64) float acc[NR8 * MB8];
+      std::vector<uint32_t> u(static_cast<size_t>(NR8) * k / 4), uu(silu ? static_cast<size_t>(NR8) * k / 4 : 0);
+      std::vector<float> sm(static_cast<size_t>(2 * NR8) * groups), smu(silu ? 2 * NR8 * groups : 0);
+      alignas(64) float acc[NR8 * MB8], accu[NR8 * MB8];
+      auto multiply = [&](int64_t b, const uint32_t* panel, const float* psm, float* out) {
+        const int64_t at = b * block_groups;
+        if (HM8 > 1 && m - b * MB8 > 16)
+          micro_a8<HM8>(xa + b * block_words, dx + at, dsum + at, panel, psm, psm + NR8 * groups, groups, out);
+        else
+          micro_a8<1>(xa + b * block_words, dx + at, dsum + at, panel, psm, psm + NR8 * groups, groups, out);
+      };
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t o0 = pi * NR8;
-        const int nc = static_cast<int>(std::min<int64_t>(NR8, n - o0));
+        const int nc = static_cast<int>(std::min<int64_t>(NR8, out_n - o0));
         unpack_panel(qw, scales, mins, kind, k, o0, nc, u.data(), sm.data(), sm.data() + NR8 * groups);
+        if (silu) unpack_panel(qw, scales, mins, kind, k, out_n + o0, nc, uu.data(), smu.data(), smu.data() + NR8 * groups);
         for (int64_t b = c0; b < c1; ++b) {
-          const int64_t at = b * block_groups;
-          if (HM8 > 1 && m - b * MB8 > 16)
-            micro_a8<HM8>(xa + b * block_words, dx + at, dsum + at, u.data(), sm.data(), sm.data() + NR8 * groups,
-                          groups, acc);
-          else
-            micro_a8<1>(xa + b * block_words, dx + at, dsum + at, u.data(), sm.data(), sm.data() + NR8 * groups,
-                        groups, acc);
-          store_tile<T, NR8, MB8>(acc, m, nc, y, n, b * MB8, o0, bias);
+          multiply(b, u.data(), sm.data(), acc);
+          if (silu) {
+            multiply(b, uu.data(), smu.data(), accu);
+            silu_mul_tile<T, NR8, MB8>(acc, accu);
+          }
+          store_tile<T, NR8, MB8>(acc, m, nc, y, out_n, b * MB8, o0, bias);
         }
       }
     });
@@ -219,7 +227,8 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
 #endif
 
 at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
-                    const c10::optional<at::Tensor>& mins, int64_t kind, const c10::optional<at::Tensor>& bias) {
+                    const c10::optional<at::Tensor>& mins, int64_t kind, const c10::optional<at::Tensor>& bias,
+                    bool silu_mul) {
   TORCH_CHECK(kHaveA8, "qgemm_a8 needs AVX512-VNNI (torch.ops.fastgen.have_vnni())");
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemm_a8: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
@@ -229,18 +238,19 @@ at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
     bf = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bf.numel() == n, "qgemm_a8: bias [n]");
   }
+  TORCH_CHECK(!silu_mul || (n % 2 == 0 && !bf.defined()), "qgemm_a8: silu_mul takes [gate; up] rows, no bias");
   at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({m, n}, xc.options());
+  at::Tensor y = at::empty({m, silu_mul ? n / 2 : n}, xc.options());
   if (m == 0) return y;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemm_a8",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         qgemm_a8_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), qp.scales, qp.mins, bp,
-                             y.data_ptr<float>(), m, n, k, static_cast<int>(kind)); })
+                             y.data_ptr<float>(), m, n, k, static_cast<int>(kind), silu_mul); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         qgemm_a8_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), qp.scales, qp.mins, bp,
-                                    y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind)); }));
+                                    y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind), silu_mul); }));
 #endif
   return y;
 }
@@ -248,7 +258,8 @@ at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastgen, m) {
-  m.def("qgemm_a8(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, Tensor? bias=None) -> Tensor");
+  m.def("qgemm_a8(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, Tensor? bias=None, "
+        "bool silu_mul=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
