@@ -51,7 +51,8 @@ from ..request import SamplingParams
 from .engine_report import (Goal, goals, plot_curve, print_curve, print_decode, print_goals, print_machine,
                             print_overhead, print_prefill)
 from .kernels import bench_attention, decode_step_breakdown, host_isa, old_vs_new_decode, print_kernels
-from .machine import MachineLimits, ModelCosts, busy_cpus, cpu_name, measure_machine, model_costs, warn_if_busy
+from .machine import (MachineLimits, ModelCosts, busy_cpus, cpu_name, measure_machine, model_costs, prompt_roofline,
+                      warn_if_busy)
 from .overhead import HostOverhead, bench_overhead_parts, host_overhead
 from .prefill_decode import (DecodeBound, DecodeResult, ForwardCurve, PrefillResult, bench_decode,
                              bench_forward_curve, bench_prefill, decode_bandwidth)
@@ -163,7 +164,14 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     machine = measure_machine(engine, costs, sizes)
     print_machine(machine)
     matmul = machine.matmul[meta.dtype].gflops
-    prefill = bench_prefill(engine, costs, sizes, matmul, rng)
+    # with int8 activations the prompt's products are integer ones: its roofline takes them at
+    # _int_mm's rate and its attention at the dtype's matmul rate
+    roofline = matmul if "int8" not in machine.matmul else prompt_roofline(
+        costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1), machine.matmul["int8"].gflops, matmul)
+    if "int8" in machine.matmul:
+        print(f"   prefill roofline {roofline:.1f} GFLOP/s: products at int8 _int_mm's "
+              f"{machine.matmul['int8'].gflops:.1f}, attention at {meta.dtype}'s {matmul:.1f}")
+    prefill = bench_prefill(engine, costs, sizes, roofline, rng)
     print_prefill(prefill)
     decode = [bench_decode(engine, b, sizes, sampling, rng)
               for b in tqdm(sizes.decode_batches, desc="decode", leave=False, disable=None)]

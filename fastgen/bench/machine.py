@@ -103,6 +103,29 @@ def measure_matmul(dtype: torch.dtype, n: int, device: torch.device, sizes: Size
                       Summary.of(times))
 
 
+def measure_int_mm(n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
+    """int8 x int8 -> int32 products (``torch._int_mm``, n x n): the rate of the integer products
+    that prompt rows take with int8 activations (GOP/s, reported as GFLOP/s)."""
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+    with torch.inference_mode():
+        times = time_calls(lambda: torch._int_mm(a, b), device, num_warmup=2, num_repeats=4 * sizes.num_repeats,
+                           max_s=sizes.max_measure_s, desc="matmul int8")
+    ops = 2.0 * n ** 3
+    return MatmulPeak("int8 (_int_mm)", n, ops / min(times) / 1e9, ops / statistics.median(times) / 1e9,
+                      Summary.of(times))
+
+
+def prompt_roofline(costs: "ModelCosts", num_tokens: int, products_gflops: float, attention_gflops: float) -> float:
+    """The rate a prefill of ``num_tokens`` would run at if its products ran at
+    ``products_gflops`` and its attention at ``attention_gflops``: its FLOPs over the sum of the
+    two parts' times at those rates (the roofline when the two take different products)."""
+    t = num_tokens
+    attention = 2.0 * costs.num_attention_dims * t * (t + 1)
+    products = costs.prefill_flops(t) - attention
+    return costs.prefill_flops(t) / (products / products_gflops + attention / attention_gflops)
+
+
 def measure_read(num_bytes: int, dtype: torch.dtype, device: torch.device, sizes: Sizes,
                  label: str) -> Bandwidth:
     """Read bandwidth: ``x.sum()`` over ``num_bytes`` of ``dtype``; bytes moved = num_bytes."""
@@ -127,10 +150,20 @@ def measure_copy(num_bytes: int, device: torch.device, sizes: Sizes) -> Bandwidt
                      Summary.of(times))
 
 
+def prompt_rows_int8(engine) -> bool:
+    """Whether the engine's prompt rows take int8 products (quantized layers, int8 activations)."""
+    from ..model.quant import QuantWeight
+
+    return any(isinstance(getattr(m, "format", None), QuantWeight) and m.format.act_int8
+               for m in engine.model.modules())
+
+
 def measure_machine(engine, costs: ModelCosts, sizes: Sizes) -> MachineLimits:
     device, dtype = engine.config.device, engine.config.dtype
     matmul_dtypes = list(dict.fromkeys([torch.bfloat16, torch.float32, dtype]))
     matmul = {str(d): measure_matmul(d, sizes.matmul_n, device, sizes) for d in matmul_dtypes}
+    if prompt_rows_int8(engine):
+        matmul["int8"] = measure_int_mm(sizes.matmul_n, device, sizes)
     reads = [measure_read(sizes.bandwidth_bytes, torch.float32, device, sizes, "big fp32"),
              measure_read(sizes.bandwidth_bytes, torch.bfloat16, device, sizes, "big bf16"),
              measure_read(costs.weight_bytes, torch.float32, device, sizes, "weight-sized fp32")]

@@ -87,3 +87,13 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cli_main(["report", "x.json", "--out", "o", "--goodput", "ttft"])
     assert "schedulers must be among" in capsys.readouterr().err
+
+
+def test_the_prompt_roofline_takes_each_part_at_its_own_rate():
+    """Products at one rate, attention at another: the prefill's FLOPs over the two parts' times."""
+    from fastgen.bench.machine import ModelCosts, prompt_roofline
+
+    costs = ModelCosts(num_linear_params=1000, num_head_params=0, num_attention_dims=10, weight_bytes=0)
+    t = 99                                        # products 2e3 * 99, attention 2 * 10 * 99 * 100: equal
+    assert prompt_roofline(costs, t, 500.0, 500.0) == pytest.approx(500.0)
+    assert prompt_roofline(costs, t, 1500.0, 500.0) == pytest.approx(2 / (1 / 1500 + 1 / 500))
