@@ -376,7 +376,9 @@ inline void softmax_update(Partial& ml, float* ar, int64_t d, float* sc, int64_t
   float mx = ml.m;
 #pragma omp simd reduction(max : mx)
   for (int64_t j = from; j < visible; ++j) mx = sc[j] > mx ? sc[j] : mx;
-  const float corr = fast_exp(ml.m - mx);
+  // an unmoved maximum: the correction is exactly 1 (fast_exp(0) == 1.f), the pass over ar skipped
+  const bool moved = mx != ml.m;
+  const float corr = moved ? fast_exp(ml.m - mx) : 1.f;
   float l = 0.f;
 #pragma omp simd reduction(+ : l)
   for (int64_t j = 0; j < bs; ++j) {
@@ -384,8 +386,10 @@ inline void softmax_update(Partial& ml, float* ar, int64_t d, float* sc, int64_t
     sc[j] = pj;
     l += pj;
   }
+  if (moved) {
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+    for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+  }
   ml = Partial{mx, ml.l * corr + l};
 }
 
@@ -542,11 +546,16 @@ inline void softmax_block32(Partial& ml, float* ar, int64_t d, const float* sc, 
   const float mx = std::max(ml.m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
   const __m512 mv = _mm512_set1_ps(mx);
   const __m512 p0 = fast_exp16(_mm512_sub_ps(s0, mv)), p1 = fast_exp16(_mm512_sub_ps(s1, mv));
-  const float corr = fast_exp(ml.m - mx);
-  const __m512 cv = _mm512_set1_ps(corr);
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
-  for (; i < d; ++i) ar[i] *= corr;
+  // the running maximum mostly stands after a row's first blocks: then the correction is exactly
+  // 1 (fast_exp(0) == 1.f) and the accumulator's pass is skipped, the same values bit for bit
+  float corr = 1.f;
+  if (mx != ml.m) {
+    corr = fast_exp(ml.m - mx);
+    const __m512 cv = _mm512_set1_ps(corr);
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
+    for (; i < d; ++i) ar[i] *= corr;
+  }
   ml = Partial{mx, ml.l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1))};
   _mm512_storeu_si512(pw, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
 }
@@ -753,7 +762,8 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
       }
       float mx = ml[r].m;
       for (int64_t j = from; j < visible; ++j) mx = std::max(mx, sc[j]);
-      const float corr = fast_exp(ml[r].m - mx);
+      const bool moved = mx != ml[r].m;   // else the correction is exactly 1: skipped
+      const float corr = moved ? fast_exp(ml[r].m - mx) : 1.f;
       float l = 0.f;
 #pragma omp simd reduction(+ : l)
       for (int64_t j = from; j < visible; ++j) {
@@ -761,8 +771,10 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
         l += sc[j];
       }
       float* ar = acc.data() + r * d;
+      if (moved) {
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+        for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+      }
       for (int64_t j = from; j < visible; ++j) {
         const float pj = sc[j];
         const float* vj = vf.data() + j * d;
