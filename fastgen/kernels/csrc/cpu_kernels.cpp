@@ -559,6 +559,40 @@ inline void softmax_block32(Partial& ml, float* ar, int64_t d, const float* sc, 
   ml = Partial{mx, ml.l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1))};
   _mm512_storeu_si512(pw, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
 }
+
+// softmax_block32 for R rows at once (row r's scores at sc + r * bs, its accumulator at ar + r * d,
+// its pairs at pw + r * half), the same operations per row: written so the rows' reduction and
+// exp chains interleave (one row at a time they run back to back, latency-bound)
+template <int R>
+inline void softmax_block32_rows(Partial* ml, float* ar, int64_t d, const float* sc, int64_t bs, float scale,
+                                 uint32_t* pw, int64_t half) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  __m512 s0[R], s1[R], p0[R], p1[R];
+  float mx[R];
+  for (int r = 0; r < R; ++r) {
+    s0[r] = _mm512_mul_ps(_mm512_loadu_ps(sc + r * bs), sv);
+    s1[r] = _mm512_mul_ps(_mm512_loadu_ps(sc + r * bs + 16), sv);
+  }
+  for (int r = 0; r < R; ++r) mx[r] = std::max(ml[r].m, _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r])));
+  for (int r = 0; r < R; ++r) {
+    const __m512 mv = _mm512_set1_ps(mx[r]);
+    p0[r] = fast_exp16(_mm512_sub_ps(s0[r], mv));
+    p1[r] = fast_exp16(_mm512_sub_ps(s1[r], mv));
+  }
+  for (int r = 0; r < R; ++r) {
+    float corr = 1.f;
+    if (mx[r] != ml[r].m) {   // as softmax_block32: an unmoved maximum leaves ar as it is
+      corr = fast_exp(ml[r].m - mx[r]);
+      const __m512 cv = _mm512_set1_ps(corr);
+      float* a = ar + r * d;
+      int64_t i = 0;
+      for (; i + 16 <= d; i += 16) _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), cv));
+      for (; i < d; ++i) a[i] *= corr;
+    }
+    ml[r] = Partial{mx[r], ml[r].l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0[r], p1[r]))};
+    _mm512_storeu_si512(pw + r * half, (__m512i)_mm512_cvtne2ps_pbh(p1[r], p0[r]));
+  }
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -676,7 +710,18 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
           qk_rows_bf16<8>(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
         else
           qk4_bf16(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
-        for (int64_t rr = 0; rr < step; ++rr) {
+        // rows whose block is whole to them (all but the diagonal's and a window's edge), four
+        // at a time: the register softmax over interleaved rows
+        auto whole = [&](int64_t r) {
+          const int64_t pos = p0 + qa + r / group;
+          return bs == 32 && first_visible(pos) <= first_key && pos - first_key + 1 >= 32 && n == 32;
+        };
+        bool all_whole = true;
+        for (int64_t rr = 0; rr < step && all_whole; ++rr) all_whole = whole(r_first + rr);
+        for (int64_t rr = 0; all_whole && rr < step; rr += 4)
+          softmax_block32_rows<4>(ml.data() + r_first + rr, acc.data() + (r_first + rr) * d, d, sc4 + rr * bs, bs,
+                                  scale, pw.data() + (r_first + rr) * half, half);
+        for (int64_t rr = 0; !all_whole && rr < step; ++rr) {
           const int64_t r = r_first + rr;
           float* sc = sc4 + rr * bs;
           const int64_t pos = p0 + qa + r / group;
