@@ -27,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -538,31 +539,12 @@ inline void probs_to_bf16_pairs(const float* sc, int64_t n, uint32_t* dst) {
   }
 }
 
-// softmax_update for a block of 32 keys all visible: raw scores sc[32] times scale, the
-// probabilities written as 16 bf16 pairs to pw
-inline void softmax_block32(Partial& ml, float* ar, int64_t d, const float* sc, float scale, uint32_t* pw) {
-  const __m512 sv = _mm512_set1_ps(scale);
-  const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sc), sv), s1 = _mm512_mul_ps(_mm512_loadu_ps(sc + 16), sv);
-  const float mx = std::max(ml.m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-  const __m512 mv = _mm512_set1_ps(mx);
-  const __m512 p0 = fast_exp16(_mm512_sub_ps(s0, mv)), p1 = fast_exp16(_mm512_sub_ps(s1, mv));
-  // the running maximum mostly stands after a row's first blocks: then the correction is exactly
-  // 1 (fast_exp(0) == 1.f) and the accumulator's pass is skipped, the same values bit for bit
-  float corr = 1.f;
-  if (mx != ml.m) {
-    corr = fast_exp(ml.m - mx);
-    const __m512 cv = _mm512_set1_ps(corr);
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
-    for (; i < d; ++i) ar[i] *= corr;
-  }
-  ml = Partial{mx, ml.l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1))};
-  _mm512_storeu_si512(pw, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-}
-
-// softmax_block32 for R rows at once (row r's scores at sc + r * bs, its accumulator at ar + r * d,
-// its pairs at pw + r * half), the same operations per row: written so the rows' reduction and
-// exp chains interleave (one row at a time they run back to back, latency-bound)
+// softmax_update for a block of 32 keys that R rows see whole: raw scores (row r's at sc + r * bs)
+// times scale, each row's accumulator (ar + r * d) and (max, sum) corrected, its probabilities
+// written as 16 bf16 pairs (pw + r * half). The rows go together so that their reduction and exp
+// chains interleave (one row at a time they run back to back, latency-bound); each row takes the
+// same operations whatever R is. An unmoved maximum leaves the row's accumulator as it is (the
+// correction would be exactly 1: fast_exp(0) == 1.f).
 template <int R>
 inline void softmax_block32_rows(Partial* ml, float* ar, int64_t d, const float* sc, int64_t bs, float scale,
                                  uint32_t* pw, int64_t half) {
@@ -581,7 +563,7 @@ inline void softmax_block32_rows(Partial* ml, float* ar, int64_t d, const float*
   }
   for (int r = 0; r < R; ++r) {
     float corr = 1.f;
-    if (mx[r] != ml[r].m) {   // as softmax_block32: an unmoved maximum leaves ar as it is
+    if (mx[r] != ml[r].m) {
       corr = fast_exp(ml[r].m - mx[r]);
       const __m512 cv = _mm512_set1_ps(corr);
       float* a = ar + r * d;
@@ -710,12 +692,17 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
           qk_rows_bf16<8>(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
         else
           qk4_bf16(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
-        // rows whose block is whole to them (all but the diagonal's and a window's edge), four
-        // at a time: the register softmax over interleaved rows
-        auto whole = [&](int64_t r) {
+        // row r's visible keys of this block, [from, visible)
+        auto bounds = [&](int64_t r) {
           const int64_t pos = p0 + qa + r / group;
-          return bs == 32 && first_visible(pos) <= first_key && pos - first_key + 1 >= 32 && n == 32;
+          return std::pair<int64_t, int64_t>(std::max<int64_t>(0, first_visible(pos) - first_key),
+                                             std::min(n, pos - first_key + 1));
         };
+        // a block a row sees whole (all but the diagonal's and a window's edge) takes the online
+        // softmax in registers, probabilities straight to bf16 pairs (the general update's masked
+        // loops and round trips through sc were ~half of a 4-row step), four rows at once where
+        // the pass's rows all see it whole
+        auto whole = [&](int64_t r) { return bs == 32 && bounds(r) == std::pair<int64_t, int64_t>(0, 32); };
         bool all_whole = true;
         for (int64_t rr = 0; rr < step && all_whole; ++rr) all_whole = whole(r_first + rr);
         for (int64_t rr = 0; all_whole && rr < step; rr += 4)
@@ -724,14 +711,9 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
         for (int64_t rr = 0; !all_whole && rr < step; ++rr) {
           const int64_t r = r_first + rr;
           float* sc = sc4 + rr * bs;
-          const int64_t pos = p0 + qa + r / group;
-          const int64_t from = std::max<int64_t>(0, first_visible(pos) - first_key);
-          const int64_t visible = std::min(n, pos - first_key + 1);
+          const auto [from, visible] = bounds(r);
           if (bs == 32 && from == 0 && visible == 32) {
-            // a block the row sees whole (all but the diagonal's and a window's edge): the
-            // online softmax in registers, probabilities straight to bf16 pairs (the general
-            // update's masked loops and round trips through sc were ~half of a 4-row step)
-            softmax_block32(ml[r], acc.data() + r * d, d, sc, scale, pw.data() + r * half);
+            softmax_block32_rows<1>(ml.data() + r, acc.data() + r * d, d, sc, bs, scale, pw.data() + r * half, half);
             continue;
           }
 #pragma omp simd
