@@ -52,40 +52,35 @@ def heldout_tokens(tokenizer, num_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
+def _perplexity(engine, token_ids: list[int], window: int, one_token_per_pass: bool) -> float:
+    """exp(mean NLL) of ``token_ids`` in windows of ``window`` (each window a fresh sequence), fed
+    one token per forward pass or each window as one prompt chunk with every row's logits."""
+    model, cfg = engine.model, engine.config
+    bs = cfg.cache.block_size
+    pool = engine.new_pool(math.ceil(window / bs))
+    blocks = list(range(pool.num_blocks))
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start:start + window + 1]
+        passes = [(pos, chunk[pos:pos + 1]) for pos in range(len(chunk) - 1)] if one_token_per_pass \
+            else [(0, chunk[:-1])]
+        for pos, ids in passes:
+            batch = build_batch([SeqInput(ids, pos, blocks, len(ids))], bs, cfg.device)
+            logp = torch.log_softmax(model(batch, pool), dim=-1)      # [len(ids), vocab]
+            targets = torch.tensor(chunk[pos + 1:pos + 1 + len(ids)])
+            nll -= logp[torch.arange(len(ids)), targets].sum().item()
+            count += len(ids)
+    return math.exp(nll / count)
+
+
 def decode_perplexity(engine, token_ids: list[int], window: int = 256) -> float:
-    """exp(mean NLL) of ``token_ids`` fed one token per forward pass, in windows of ``window``
-    (each window starts a fresh sequence)."""
-    model, cfg = engine.model, engine.config
-    bs = cfg.cache.block_size
-    pool = engine.new_pool(math.ceil(window / bs))
-    blocks = list(range(pool.num_blocks))
-    nll, count = 0.0, 0
-    for start in range(0, len(token_ids) - 1, window):
-        chunk = token_ids[start:start + window + 1]
-        for pos in range(len(chunk) - 1):
-            batch = build_batch([SeqInput([chunk[pos]], pos, blocks, 1)], bs, cfg.device)
-            logits = model(batch, pool)[0]
-            nll -= torch.log_softmax(logits, dim=-1)[chunk[pos + 1]].item()
-            count += 1
-    return math.exp(nll / count)
+    """Perplexity of ``token_ids`` fed one token per forward pass (the decode path's kernels)."""
+    return _perplexity(engine, token_ids, window, one_token_per_pass=True)
 
 
-@torch.inference_mode()
 def prompt_perplexity(engine, token_ids: list[int], window: int = 256) -> float:
-    """exp(mean NLL) of ``token_ids`` with each window of ``window`` tokens fed as one prompt
-    chunk (a fresh sequence per window; every row's logits kept)."""
-    model, cfg = engine.model, engine.config
-    bs = cfg.cache.block_size
-    pool = engine.new_pool(math.ceil(window / bs))
-    blocks = list(range(pool.num_blocks))
-    nll, count = 0.0, 0
-    for start in range(0, len(token_ids) - 1, window):
-        chunk = token_ids[start:start + window + 1]
-        batch = build_batch([SeqInput(chunk[:-1], 0, blocks, len(chunk) - 1)], bs, cfg.device)
-        logp = torch.log_softmax(model(batch, pool), dim=-1)          # [len(chunk) - 1, vocab]
-        nll -= logp[torch.arange(len(chunk) - 1), torch.tensor(chunk[1:])].sum().item()
-        count += len(chunk) - 1
-    return math.exp(nll / count)
+    """Perplexity of ``token_ids`` with each window fed as one prompt chunk (the many-row kernels)."""
+    return _perplexity(engine, token_ids, window, one_token_per_pass=False)
 
 
 def greedy_tokens(pipe, max_new_tokens: int) -> list[tuple[int, ...]]:

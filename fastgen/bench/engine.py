@@ -166,11 +166,13 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     matmul = machine.matmul[meta.dtype].gflops
     # with int8 activations the prompt's products are integer ones: its roofline takes them at
     # _int_mm's rate and its attention at the dtype's matmul rate
-    roofline = matmul if "int8" not in machine.matmul else prompt_roofline(
-        costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1), machine.matmul["int8"].gflops, matmul)
-    if "int8" in machine.matmul:
+    roofline = matmul
+    int8 = machine.matmul.get("int8")
+    if int8 is not None:
+        roofline = prompt_roofline(costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1),
+                                   int8.gflops, matmul)
         print(f"   prefill roofline {roofline:.1f} GFLOP/s: products at int8 _int_mm's "
-              f"{machine.matmul['int8'].gflops:.1f}, attention at {meta.dtype}'s {matmul:.1f}")
+              f"{int8.gflops:.1f}, attention at {meta.dtype}'s {matmul:.1f}")
     prefill = bench_prefill(engine, costs, sizes, roofline, rng)
     print_prefill(prefill)
     decode = [bench_decode(engine, b, sizes, sampling, rng)

@@ -90,17 +90,21 @@ class MachineLimits:
     bandwidth_rule: str = BANDWIDTH_BOUND_RULE
 
 
+def _measure_product(label: str, product, n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
+    """Best and median rate of ``product()``, an n x n x n matrix product (2 n^3 operations)."""
+    with torch.inference_mode():
+        times = time_calls(product, device, num_warmup=2, num_repeats=4 * sizes.num_repeats,
+                           max_s=sizes.max_measure_s, desc=f"matmul {label}")
+    flops = 2.0 * n ** 3
+    return MatmulPeak(label, n, flops / min(times) / 1e9, flops / statistics.median(times) / 1e9,
+                      Summary.of(times))
+
+
 def measure_matmul(dtype: torch.dtype, n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     out = torch.empty(n, n, dtype=dtype, device=device)
-    with torch.inference_mode():
-        times = time_calls(lambda: torch.matmul(a, b, out=out), device, num_warmup=2,
-                           num_repeats=4 * sizes.num_repeats, max_s=sizes.max_measure_s,
-                           desc=f"matmul {dtype}")
-    flops = 2.0 * n ** 3
-    return MatmulPeak(str(dtype), n, flops / min(times) / 1e9, flops / statistics.median(times) / 1e9,
-                      Summary.of(times))
+    return _measure_product(str(dtype), lambda: torch.matmul(a, b, out=out), n, device, sizes)
 
 
 def measure_int_mm(n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
@@ -108,12 +112,7 @@ def measure_int_mm(n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
     that prompt rows take with int8 activations (GOP/s, reported as GFLOP/s)."""
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
-    with torch.inference_mode():
-        times = time_calls(lambda: torch._int_mm(a, b), device, num_warmup=2, num_repeats=4 * sizes.num_repeats,
-                           max_s=sizes.max_measure_s, desc="matmul int8")
-    ops = 2.0 * n ** 3
-    return MatmulPeak("int8 (_int_mm)", n, ops / min(times) / 1e9, ops / statistics.median(times) / 1e9,
-                      Summary.of(times))
+    return _measure_product("int8 (_int_mm)", lambda: torch._int_mm(a, b), n, device, sizes)
 
 
 def prompt_roofline(costs: "ModelCosts", num_tokens: int, products_gflops: float, attention_gflops: float) -> float:

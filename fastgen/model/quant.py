@@ -232,7 +232,8 @@ class QuantWeight:
         self.max_qgemv_rows = self.MAX_QGEMV_ROWS_8BIT if quant.kind == 8 else self.MAX_QGEMV_ROWS
         self._qgemv, self._qgemm = torch.ops.fastgen.qgemv, torch.ops.fastgen.qgemm
         self._qgemm_a8 = getattr(torch.ops.fastgen, "qgemm_a8", None)
-        # int8 activations (per group of 32, VNNI dot products; off by default), where they pay:
+        # int8 activations (per group of 32, VNNI dot products; EngineOptions turns them on unless
+        # float32 is asked for by name), where they pay:
         # - prompt rows (MIN_A8_ROWS or more): qgemm_a8, products 1.1-1.35x qgemm's rate, a
         #   2,048-token prefill 1.03-1.17x faster, prompt perplexity +0.4%;
         # - decode rows only where qgemv has no bf16 dot products (fp32 activations, 8-bit rows,
@@ -246,15 +247,23 @@ class QuantWeight:
         self.max_qgemv_rows_bf16 = self.MAX_QGEMV_ROWS_BF16 if bf16_dot else self.max_qgemv_rows
         self._decode_a8_bf16 = self.act_int8 and not bf16_dot   # bf16 decode rows in int8
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _decode_rows(self, x: torch.Tensor) -> bool:
+        """Whether x's rows are few enough for qgemv (the row limit of x's dtype)."""
+        return x.shape[0] <= (self.max_qgemv_rows_bf16 if x.dtype == torch.bfloat16 else self.max_qgemv_rows)
+
+    def _many_rows(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+        """qgemm_a8 from MIN_A8_ROWS rows with int8 activations, else qgemm."""
         q = self.quant
-        if x.shape[0] <= (self.max_qgemv_rows_bf16 if x.dtype == torch.bfloat16 else self.max_qgemv_rows):
+        gemm = self._qgemm_a8 if self.act_int8 and x.shape[0] >= self.MIN_A8_ROWS else self._qgemm
+        return gemm(x, q.qweight, q.scales, q.mins, q.kind, bias, silu_mul)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._decode_rows(x):
+            q = self.quant
             a8 = self._decode_a8_bf16 if x.dtype == torch.bfloat16 else self.act_int8
             y = self._qgemv(x, q.qweight, q.scales, q.mins, q.kind, a8)
             return y if self.bias is None else y + self.bias
-        if self.act_int8 and x.shape[0] >= self.MIN_A8_ROWS:
-            return self._qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, self._bias_f32)
-        return self._qgemm(x, q.qweight, q.scales, q.mins, q.kind, self._bias_f32)
+        return self._many_rows(x, self._bias_f32, False)
 
     def matmul_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this fused ``[gate; up]`` product, ``[T, out/2]``, with the activation
@@ -263,13 +272,9 @@ class QuantWeight:
         Values as the unfused path's in bf16, bit for bit; in fp32 within the last bits of the
         exp's two builds. SmolLM2's gate/up at 512 rows: 2.69 -> 2.29 ms (qgemm), 2.45 -> 1.85 ms
         (qgemm_a8)."""
-        q = self.quant
-        if self.bias is not None or x.shape[0] <= (
-                self.max_qgemv_rows_bf16 if x.dtype == torch.bfloat16 else self.max_qgemv_rows):
+        if self.bias is not None or self._decode_rows(x):
             return None
-        if self.act_int8 and x.shape[0] >= self.MIN_A8_ROWS:
-            return self._qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, None, True)
-        return self._qgemm(x, q.qweight, q.scales, q.mins, q.kind, None, True)
+        return self._many_rows(x, None, True)
 
     @property
     def num_bytes(self) -> int:

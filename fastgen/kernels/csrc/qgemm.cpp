@@ -309,12 +309,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemm: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
   const QuantRowsPtrs qp = check_quant_rows("qgemm", qw, scales, mins, kind, k);
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    bf = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bf.numel() == n, "qgemm: bias [n]");
-  }
-  TORCH_CHECK(!silu_mul || (n % 2 == 0 && !bf.defined()), "qgemm: silu_mul takes [gate; up] rows, no bias");
+  const at::Tensor bf = gemm_bias("qgemm", bias, n, silu_mul);
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, silu_mul ? n / 2 : n}, xc.options());

@@ -235,12 +235,7 @@ at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemm_a8: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
   const QuantRowsPtrs qp = check_quant_rows("qgemm_a8", qw, scales, mins, kind, k);
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    bf = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bf.numel() == n, "qgemm_a8: bias [n]");
-  }
-  TORCH_CHECK(!silu_mul || (n % 2 == 0 && !bf.defined()), "qgemm_a8: silu_mul takes [gate; up] rows, no bias");
+  const at::Tensor bf = gemm_bias("qgemm_a8", bias, n, silu_mul);
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, silu_mul ? n / 2 : n}, xc.options());
   if (m == 0) return y;

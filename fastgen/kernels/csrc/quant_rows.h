@@ -64,3 +64,15 @@ inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
 #endif
 }
+
+// The fp32 bias [n] of a many-row product (undefined tensor when there is none) and the check of
+// its silu_mul form ([gate; up] rows, no bias): the argument handling qgemm and qgemm_a8 share
+inline at::Tensor gemm_bias(const char* op, const c10::optional<at::Tensor>& bias, int64_t n, bool silu_mul) {
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bf.numel() == n, op, ": bias [n]");
+  }
+  TORCH_CHECK(!silu_mul || (n % 2 == 0 && !bf.defined()), op, ": silu_mul takes [gate; up] rows, no bias");
+  return bf;
+}
