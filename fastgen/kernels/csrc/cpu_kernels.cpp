@@ -910,9 +910,18 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
           probs_to_bf16_pairs(scores.data() + rr * bs, bs, pw.data() + rr * half);
         const int64_t j2a = from / 2, j2b = (n + 1) / 2;
         const at::BFloat16* vbb = reinterpret_cast<const at::BFloat16*>(vb);
-        for (; r + 2 <= r0 + group; r += 2)
+        // the group's rows share each key pair's loads and interleaves (3 rows at once against
+        // 2 + 1, alternating rounds: 8 decodes x 1,216 keys 0.93x the time, 1 x 2k 0.95x, 32 x 4k 0.90x)
+        const int64_t end = r0 + group;
+        for (; r + 4 <= end; r += 4)
+          pv_rows_bf16<DC, 4>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
+        if (end - r == 3) {
+          pv_rows_bf16<DC, 3>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
+          r += 3;
+        }
+        for (; r + 2 <= end; r += 2)
           pv_rows_bf16<DC, 2>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
-        if (r < r0 + group) pv_rows_bf16<DC, 1>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
+        if (r < end) pv_rows_bf16<DC, 1>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
 #endif
       } else {
         for (; r + 2 <= r0 + group; r += 2)
