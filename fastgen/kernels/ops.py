@@ -87,19 +87,22 @@ class NativeOps:
     name = "native"
 
     def __init__(self) -> None:
-        self._ops = torch.ops.fastgen
+        # the ops' overloads themselves, not their packets: ~0.25 us less a call (~150 a decode step)
+        ops = torch.ops.fastgen
+        self._rms_norm, self._add_rms_norm_ = ops.rms_norm.default, ops.add_rms_norm_.default
+        self._silu_mul, self._rope_write_kv = ops.silu_mul.default, ops.rope_write_kv.default
 
     def rms_norm(self, x, weight, eps):
-        return self._ops.rms_norm(x, weight, eps)
+        return self._rms_norm(x, weight, eps)
 
     def add_rms_norm_(self, x, residual, weight, eps):
-        self._ops.add_rms_norm_(x, residual, weight, eps)
+        self._add_rms_norm_(x, residual, weight, eps)
 
     def silu_mul(self, gate_up):
-        return self._ops.silu_mul(gate_up)
+        return self._silu_mul(gate_up)
 
     def rope_write_kv(self, qkv, positions, cos, sin, slots, pool, layer, num_heads, num_kv_heads, head_dim):
-        q, k = self._ops.rope_write_kv(qkv, positions, cos, sin, slots, pool.keys[layer], pool.values[layer],
+        q, k = self._rope_write_kv(qkv, positions, cos, sin, slots, pool.keys[layer], pool.values[layer],
                                        num_heads, num_kv_heads, head_dim)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(qkv.shape[0], num_kv_heads, head_dim)
         return q, k, v

@@ -195,7 +195,7 @@ class PagedAttention:
 
     def __init__(self, dtype: torch.dtype, device: torch.device, windows: tuple[int, ...] = ()) -> None:
         self.device = device            # dtype: the pool's and q's, read by the kernel; windows: any
-        self._kernel = torch.ops.fastgen.paged_attention
+        self._kernel = torch.ops.fastgen.paged_attention.default   # the overload itself: ~0.25 us less a call
 
     def plan(self, batch: RaggedBatch) -> PagedPlan:
         ns = batch.num_seqs

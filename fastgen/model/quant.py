@@ -230,8 +230,10 @@ class QuantWeight:
         self.bias = bias
         self._bias_f32 = None if bias is None else bias.float().contiguous()
         self.max_qgemv_rows = self.MAX_QGEMV_ROWS_8BIT if quant.kind == 8 else self.MAX_QGEMV_ROWS
-        self._qgemv, self._qgemm = torch.ops.fastgen.qgemv, torch.ops.fastgen.qgemm
-        self._qgemm_a8 = getattr(torch.ops.fastgen, "qgemm_a8", None)
+        # the ops' overloads themselves, not their packets: ~0.25 us less a call (121 a decode step)
+        self._qgemv, self._qgemm = torch.ops.fastgen.qgemv.default, torch.ops.fastgen.qgemm.default
+        a8 = getattr(torch.ops.fastgen, "qgemm_a8", None)
+        self._qgemm_a8 = None if a8 is None else a8.default
         # int8 activations (per group of 32, VNNI dot products; EngineOptions turns them on unless
         # float32 is asked for by name), where they pay:
         # - prompt rows (MIN_A8_ROWS or more): qgemm_a8, products 1.1-1.35x qgemm's rate, a
