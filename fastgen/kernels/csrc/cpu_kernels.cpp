@@ -875,9 +875,9 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
       // a block of 32 keys seen whole (all but the last and a window's edge), bf16: the group's
       // rows take the register softmax together (softmax_block32_rows, as the chunk path's
       // whole blocks), probabilities straight to bf16 pairs; outputs bit for bit as the
-      // one-row update's. SmolLM2's heads (3 KV heads, groups of 3), old against new in
-      // alternating rounds: one decode at 2k keys 0.70x the time, 8 at 1,216 0.69x, 32 at 4k
-      // 0.92x (cold: more of it is the pool's reads), one at 128 0.90x
+      // one-row update's. SmolLM2's heads (3 KV heads, groups of 3), with the PV's group below,
+      // old against new in four fresh pairs of processes: one decode at 2k keys 0.83x the time,
+      // 32 at 4k 0.88x (cold: more of it is the pool's reads)
       const bool whole = bf16 && kDecodeBf16 && bs == 32 && from == 0 && n == 32 && group <= 4;
       for (int64_t r = r0; r < r0 + group; ++r) {
         const T* qrow = bf16 ? qs + r * d : reinterpret_cast<const T*>(qf.data() + r * d);
@@ -911,7 +911,7 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
         const int64_t j2a = from / 2, j2b = (n + 1) / 2;
         const at::BFloat16* vbb = reinterpret_cast<const at::BFloat16*>(vb);
         // the group's rows share each key pair's loads and interleaves (3 rows at once against
-        // 2 + 1, alternating rounds: 8 decodes x 1,216 keys 0.93x the time, 1 x 2k 0.95x, 32 x 4k 0.90x)
+        // 2 + 1, four fresh pairs of processes: 8 decodes x 1,216 keys 0.89x the time, 32 x 4k 0.965x)
         const int64_t end = r0 + group;
         for (; r + 4 <= end; r += 4)
           pv_rows_bf16<DC, 4>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
