@@ -30,6 +30,8 @@ _ENGINE_HELP = {
     "reserve_blocks": "free blocks kept back when admitting a prompt, so decodes can grow",
     "max_model_len": "context length cap (default: the model's)",
     "scheduler": "splitfuse (Dynamic SplitFuse) | the baselines of fastgen.scheduler",
+    "prompt_order": "arrival (first come, first served) | deadline (earliest TTFT deadline first: arrival + "
+                    "prompt tokens / 512 per s, the paper's TTFT SLA)",
     "kernels": "auto | native (fastgen's CPU kernels) | torch",
     "quantization": "auto (a GGUF's weights as shipped) | none | int8 | int4",
     "int8_activations": "int8 activations (VNNI) for prompt rows of quantized layers, and for decode rows where "

@@ -35,6 +35,7 @@ DEFAULT_BLOCK_SIZE = 32
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 SCHEDULERS = ("splitfuse", "prefill-first", "static")
+PROMPT_ORDERS = ("arrival", "deadline")
 KERNELS = ("auto", "native", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -59,12 +60,15 @@ class SchedulerConfig:
     reserve_blocks: free blocks kept back when admitting a new prompt, so that running
         decodes can keep growing without an immediate preemption.
     policy: name of the scheduling policy.
+    prompt_order: the order in which waiting prompts are admitted: "arrival" (first come, first
+        served) or "deadline" (earliest TTFT deadline first, see fastgen.scheduler.queues).
     """
 
     budget_tokens: int
     max_seqs: int
     reserve_blocks: int
     policy: str = "splitfuse"
+    prompt_order: str = "arrival"
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ class EngineOptions:
     reserve_blocks: int | None = None
     max_model_len: int | None = None
     scheduler: str = "splitfuse"
+    prompt_order: str = "arrival"
     kernels: str = "auto"
     quantization: str = "auto"
     # int8 activations where they pay (VNNI; see fastgen.model.quant.QuantWeight). None (auto): on,
@@ -194,6 +199,9 @@ class EngineOptions:
         if self.scheduler not in SCHEDULERS:
             raise InvalidRequestError(
                 f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}", param="scheduler")
+        if self.prompt_order not in PROMPT_ORDERS:
+            raise InvalidRequestError(
+                f"prompt_order must be one of {PROMPT_ORDERS}, got {self.prompt_order!r}", param="prompt_order")
         if not isinstance(self.prefix_caching, bool):
             raise InvalidRequestError("prefix_caching must be true or false", param="prefix_caching")
         if self.int8_activations is not None and not isinstance(self.int8_activations, bool):
@@ -249,7 +257,8 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
                           prefix_caching=options.prefix_caching),
         scheduler=SchedulerConfig(budget_tokens=DEFAULT_BUDGET_TOKENS if options.budget_tokens == "auto"
                                   else options.budget_tokens, max_seqs=options.max_seqs,
-                                  reserve_blocks=reserve, policy=options.scheduler),
+                                  reserve_blocks=reserve, policy=options.scheduler,
+                                  prompt_order=options.prompt_order),
         max_model_len=max_model_len, kernels=kernels,
         quantization=resolve_quantization(options.quantization, kernels),
         int8_activations=resolve_int8_activations(options.int8_activations, options.dtype),

@@ -29,11 +29,30 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+# prompt_order="deadline": a waiting prompt's TTFT deadline is its arrival plus its length read at
+# this rate, the paper's TTFT SLA (DeepSpeed-FastGen's effective throughput, fastgen.bench.metrics)
+DEADLINE_PROMPT_TOKENS_PER_S = 512.0
+
+
+def prompt_deadline(req: Request) -> float:
+    """When ``req``'s first token is due under the paper's TTFT SLA (perf_counter seconds)."""
+    return req.arrival_time + req.num_prompt_tokens / DEADLINE_PROMPT_TOKENS_PER_S
+
+
 class RequestQueues:
-    def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = False) -> None:
+    """The waiting queue and the running list. ``prompt_order``: "arrival" keeps the waiting queue
+    first come, first served; "deadline" keeps new requests in the order of their TTFT deadlines
+    (:func:`prompt_deadline`: earliest deadline first, the order that meets the most deadlines when
+    they can all be met; a short prompt overtakes longer ones that arrived a little earlier, a long
+    one is overtaken only by prompts whose deadlines fall before its own, so none waits forever).
+    Either way preempted requests go back to the front, and admission is head of line."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = False,
+                 prompt_order: str = "arrival") -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.prompt_order = prompt_order
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in admission order
         self.prefix_queried_tokens = 0            # prompt tokens looked up at first admission
@@ -41,7 +60,15 @@ class RequestQueues:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if self.prompt_order != "deadline":
+            self.waiting.append(request)
+            return
+        due, at = prompt_deadline(request), len(self.waiting)
+        # behind every preempted request (the front) and every earlier or equal deadline
+        while (at > 0 and self.waiting[at - 1].num_preemptions == 0
+               and prompt_deadline(self.waiting[at - 1]) > due):
+            at -= 1
+        self.waiting.insert(at, request)
 
     def finish(self, request: Request) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -144,7 +171,7 @@ class QueueingScheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
                  prefix_caching: bool = False) -> None:
         self.config = config
-        self.queues = RequestQueues(allocator, block_size, prefix_caching)
+        self.queues = RequestQueues(allocator, block_size, prefix_caching, config.prompt_order)
         self.allocator = allocator
         self.block_size = block_size
 

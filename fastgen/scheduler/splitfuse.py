@@ -5,9 +5,10 @@ Rules, in order, for each step:
    next token starts a new KV block takes one; when none is free, the most recently
    admitted running request is preempted (blocks freed, requeued at the front of the
    waiting queue, to be recomputed with its generated tokens kept) until one is.
-2. The rest of the budget goes to prompt work in arrival order: first requests already
+2. The rest of the budget goes to prompt work in admission order: first requests already
    admitted whose tokens are not all computed (a prompt split by the previous step, or
-   a resumed preempted request), then new requests from the waiting queue. A long
+   a resumed preempted request), then new requests from the waiting queue (in arrival
+   order, or by TTFT deadline with ``prompt_order="deadline"``: RequestQueues). A long
    prompt is *split* (its chunk is cut to fill the budget exactly); short prompts are
    *fused* (several fit in one step).
 3. A waiting request is admitted only when blocks for all of its tokens are free while

@@ -20,7 +20,7 @@ from fastgen.cache import BlockAllocator
 from fastgen.config import SchedulerConfig
 from fastgen.request import Request, RequestStatus, SamplingParams
 from fastgen.scheduler import SplitFuseScheduler, StepPlan, make_scheduler
-from fastgen.scheduler.queues import blocks_for
+from fastgen.scheduler.queues import blocks_for, prompt_deadline
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ def make_request(request_id: str, prompt_len: int, output_len: int) -> Request:
 
 class Sim:
     def __init__(self, jobs: list[Job], *, budget_tokens: int, max_seqs: int, block_size: int,
-                 num_blocks: int, reserve_blocks: int = 0) -> None:
+                 num_blocks: int, reserve_blocks: int = 0, prompt_order: str = "arrival") -> None:
         self.config = SchedulerConfig(budget_tokens=budget_tokens, max_seqs=max_seqs,
-                                      reserve_blocks=reserve_blocks)
+                                      reserve_blocks=reserve_blocks, prompt_order=prompt_order)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
@@ -95,7 +95,9 @@ class Sim:
 
         plan = self.scheduler.schedule()
 
+        ran_before = set(self.first_scheduled_order)
         self.check_plan(plan, decoding_before, outputs_before)
+        self.check_admission_order(plan, ran_before)
         self.apply(plan)
         self.plans.append(plan)
         self.num_steps += 1
@@ -201,6 +203,17 @@ class Sim:
         assert all(self.allocator.ref_count(b) == 1 for b in held), "a held block's reference count is off"
         self.allocator.check()
 
+    def check_admission_order(self, plan: StepPlan, ran_before: set[str]) -> None:
+        """prompt_order="deadline": a request runs for the first time only when no request still
+        waiting that never ran (and was never preempted) has an earlier TTFT deadline."""
+        if self.config.prompt_order != "deadline":
+            return
+        fresh = [r for r in self.scheduler.waiting if r.num_preemptions == 0]
+        started = [self.requests[c.request_id] for c in plan.chunks if c.request_id not in ran_before]
+        for req in started:
+            assert all(prompt_deadline(w) >= prompt_deadline(req) for w in fresh), (
+                f"{req.request_id} ran before an earlier deadline still waiting")
+
     def check_finished(self) -> None:
         assert not self.scheduler.has_work()
         assert self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0
@@ -223,9 +236,11 @@ class Sim:
             # The last admission covered every token except the final sampled one (never fed back).
             last = trace.epochs[-1]
             assert last and sum(n for _, n in last) == req.num_tokens - 1
-        # Rule 3: the waiting queue is served in arrival order (aborted-while-waiting ones never run).
+        # Rule 3: the waiting queue is served in arrival order (aborted-while-waiting ones never
+        # run); in deadline order check_admission_order held at every step.
         scheduled = set(self.first_scheduled_order)
-        assert self.first_scheduled_order == [r for r in self.added_order if r in scheduled]
+        if self.config.prompt_order == "arrival":
+            assert self.first_scheduled_order == [r for r in self.added_order if r in scheduled]
         assert scheduled | self.aborted == set(self.added_order)
 
 
@@ -257,7 +272,8 @@ def workloads(draw: st.DrawFn, *, tight_pool: bool = False,
         jobs.append(job())
     knobs = dict(budget_tokens=draw(st.integers(1, 32)), max_seqs=draw(st.integers(1, 8)),
                  block_size=block_size, num_blocks=num_blocks,
-                 reserve_blocks=draw(st.integers(0, 1 if tight_pool else 4)))
+                 reserve_blocks=draw(st.integers(0, 1 if tight_pool else 4)),
+                 prompt_order=draw(st.sampled_from(["arrival", "deadline"])))
     return jobs, knobs
 
 
@@ -519,3 +535,46 @@ def test_tiny_budgets_still_make_progress(budget_tokens: int) -> None:
               max_seqs=4, block_size=2, num_blocks=8)
     sim.run(max_steps=sim.step_bound())
     sim.check_finished()
+
+
+# -- prompt order --------------------------------------------------------------------------------
+
+def test_deadline_order_admits_the_earliest_ttft_deadline_first() -> None:
+    """Prompts that arrive together: "arrival" serves them as they came, "deadline" by
+    arrival + length / 512 (shortest first here)."""
+    lens = [40, 8, 30, 4, 20]
+    orders = {}
+    for order in ("arrival", "deadline"):
+        sim = Sim([Job(n, 2) for n in lens], budget_tokens=16, max_seqs=1, block_size=4, num_blocks=64,
+                  prompt_order=order)
+        sim.run(max_steps=sim.step_bound())
+        sim.check_finished()
+        orders[order] = sim.first_scheduled_order
+    assert orders["arrival"] == ["r0", "r1", "r2", "r3", "r4"]
+    assert orders["deadline"] == ["r3", "r1", "r4", "r2", "r0"]
+
+
+def test_deadline_order_lets_no_prompt_wait_past_its_deadline_for_later_ones() -> None:
+    """A long prompt that arrived first is overtaken only by prompts due before it: once its
+    deadline is the earliest, later short prompts queue behind it."""
+    sched = make_scheduler(SchedulerConfig(budget_tokens=64, max_seqs=1, reserve_blocks=0, prompt_order="deadline"),
+                           BlockAllocator(64), 4)
+    long = make_request("long", 512, 1)             # due 1 s after its arrival
+    sched.add(long)
+    short = make_request("short", 8, 1)
+    sched.add(short)                                # due ~16 ms after its own arrival: first
+    assert [r.request_id for r in sched.waiting] == ["short", "long"]
+    late = make_request("late", 8, 1)
+    late.arrival_time = long.arrival_time + 2.0     # arrives after long's deadline
+    sched.add(late)
+    assert [r.request_id for r in sched.waiting] == ["short", "long", "late"]
+
+
+def test_preempted_requests_stay_ahead_of_new_ones_in_deadline_order() -> None:
+    sched = make_scheduler(SchedulerConfig(budget_tokens=64, max_seqs=4, reserve_blocks=0, prompt_order="deadline"),
+                           BlockAllocator(64), 4)
+    back = make_request("back", 40, 4)
+    back.num_preemptions = 1                        # as RequestQueues.preempt leaves it
+    sched.queues.waiting.appendleft(back)
+    sched.add(make_request("new", 2, 1))
+    assert [r.request_id for r in sched.waiting] == ["back", "new"]
