@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..config import SCHEDULERS
+from ..config import PROMPT_ORDERS, SCHEDULERS
 from ..errors import FastgenError
 from .machine import busy_cpus, cpu_name
 from .engine_target import EngineTarget, RunResult, engines, warm_up
@@ -119,6 +119,8 @@ def run_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None)
     t.add_argument("--budget-tokens", type=int, default=None)
     t.add_argument("--max-seqs", type=int, default=None)
+    t.add_argument("--prompt-order", choices=list(PROMPT_ORDERS), default=None,
+                   help="in-process: the order waiting prompts are admitted in (default arrival)")
     t.add_argument("--num-blocks", type=int, default=None)
     t.add_argument("--url", default=None, help="benchmark this OpenAI-compatible server instead")
     t.add_argument("--label", default=None,
@@ -205,7 +207,8 @@ def describe_point(label: str, load: Load, run: RunResult, sla: SLA) -> str:
 def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
                   meta: dict[str, Any]) -> Iterator[Series]:
     options = {k: v for k, v in {"dtype": args.dtype, "device": args.device, "budget_tokens": args.budget_tokens,
-                                 "max_seqs": args.max_seqs, "num_blocks": args.num_blocks}.items() if v is not None}
+                                 "max_seqs": args.max_seqs, "num_blocks": args.num_blocks,
+                                 "prompt_order": args.prompt_order}.items() if v is not None}
     requests: list[BenchRequest] | None = None
     caching = {"on": (True,), "off": (False,), "both": (True, False)}[args.prefix_caching]
     for policy, engine in engines(args.model, args.scheduler, options, caching):
