@@ -23,6 +23,7 @@ def test_auto_dtype_follows_the_cpu():
     (dict(block_size=1.5), "block_size"),
     (dict(reserve_blocks=-2), "reserve_blocks"),
     (dict(scheduler="fifo"), "scheduler"),
+    (dict(prompt_order="shortest"), "prompt_order"),
     (dict(tokens_per_step=3), "tokens_per_step"),
     (dict(int8_activations="yes"), "int8_activations"),
 ])
@@ -41,6 +42,10 @@ def test_pool_is_sized_from_bytes_or_blocks():
     cfg = resolve_engine_config("m", EngineOptions(dtype="float32", num_blocks=10, max_model_len=99999),
                                 kv_elems_per_token=per_token, model_max_len=8192)
     assert cfg.cache.num_blocks == 10 and cfg.max_model_len == 8192 and cfg.dtype == torch.float32
+    assert cfg.scheduler.prompt_order == "arrival"
+    cfg = resolve_engine_config("m", EngineOptions(dtype="float32", num_blocks=10, prompt_order="deadline"),
+                                kv_elems_per_token=per_token, model_max_len=8192)
+    assert cfg.scheduler.prompt_order == "deadline"
 
 
 @pytest.mark.parametrize("asked, dtype, want", [
