@@ -1504,6 +1504,36 @@ __attribute__((always_inline)) inline void qrows4_bf16(const uint8_t* wr, int64_
 }
 #endif
 
+// sum of each group of 32 values of x[groups * 32]
+inline void group_sums(const float* x, int64_t groups, float* out) {
+#if defined(__AVX512F__)
+  for (int64_t g = 0; g < groups; ++g)
+    out[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + g * 32), _mm512_loadu_ps(x + g * 32 + 16)));
+#else
+  for (int64_t g = 0; g < groups; ++g) {
+    float t = 0.f;
+    for (int64_t i = 0; i < 32; ++i) t += x[g * 32 + i];
+    out[g] = t;
+  }
+#endif
+}
+inline void group_sums(const at::BFloat16* x, int64_t groups, float* out) {
+#if defined(__AVX512F__)
+  auto wide = [](const at::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  for (int64_t g = 0; g < groups; ++g)
+    out[g] = _mm512_reduce_add_ps(_mm512_add_ps(wide(x + g * 32), wide(x + g * 32 + 16)));
+#else
+  for (int64_t g = 0; g < groups; ++g) {
+    float t = 0.f;
+    for (int64_t i = 0; i < 32; ++i) t += load(x, g * 32 + i);
+    out[g] = t;
+  }
+#endif
+}
+
 template <typename T>
 void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const uint16_t* mins_h, T* y, int64_t m,
                 int64_t n, int64_t k, int kind, bool act_int8) {
@@ -1517,9 +1547,10 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   // takes x's group sums (for the minima)
   std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(m * groups, 0.f);
   for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = load(x, i);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t i = 0; i < 32; ++i) xsum[r * groups + g] += load(x, r * k + g * 32 + i);
+  // x's group sums (the minima's factor), 32 values at a time in two vectors (a chain of 32
+  // scalar adds a group before: a 2-row product at k = 576 2.42-2.49 -> 2.23-2.30 us a call, at
+  // k = 1,536 3.04-3.12 -> 2.53-2.58 us; ~30 us of a SmolLM2 decode step)
+  for (int64_t r = 0; r < m; ++r) group_sums(x + r * k, groups, xsum.data() + r * groups);
   std::vector<uint16_t> xp(bf16_dot ? m * k : 0);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same<T, at::BFloat16>::value) {
