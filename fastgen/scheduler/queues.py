@@ -42,9 +42,10 @@ def prompt_deadline(req: Request) -> float:
 class RequestQueues:
     """The waiting queue and the running list. ``prompt_order``: "arrival" keeps the waiting queue
     first come, first served; "deadline" keeps new requests in the order of their TTFT deadlines
-    (:func:`prompt_deadline`: earliest deadline first, the order that meets the most deadlines when
-    they can all be met; a short prompt overtakes longer ones that arrived a little earlier, a long
-    one is overtaken only by prompts whose deadlines fall before its own, so none waits forever).
+    (:func:`prompt_deadline`: earliest deadline first, which on one server meets every deadline
+    whenever some order can; here a prompt already started keeps its turn. A short prompt
+    overtakes longer ones that arrived a little earlier; a long one is overtaken only by prompts
+    whose deadlines fall before its own, so none waits forever).
     Either way preempted requests go back to the front, and admission is head of line."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = False,
