@@ -860,6 +860,13 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
         __builtin_prefetch(vn + off);
       }
     }
+    // a block of 32 keys seen whole (all but the last and a window's edge), bf16: each KV head's
+    // group of rows takes the register softmax together (softmax_block32_rows, as the chunk
+    // path's whole blocks), probabilities straight to bf16 pairs; outputs bit for bit as the
+    // one-row update's. SmolLM2's heads (3 KV heads, groups of 3), with the PV's group below,
+    // old against new in four fresh pairs of processes: one decode at 2k keys 0.83x the time,
+    // 32 at 4k 0.88x (cold: more of it is the pool's reads)
+    const bool whole = bf16 && kDecodeBf16 && bs == 32 && from == 0 && n == 32 && group <= 4;
     for (int64_t kv = 0; kv < kvh; ++kv) {
       const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
       const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
@@ -872,13 +879,6 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
         }
       }
       const int64_t r0 = kv * group;
-      // a block of 32 keys seen whole (all but the last and a window's edge), bf16: the group's
-      // rows take the register softmax together (softmax_block32_rows, as the chunk path's
-      // whole blocks), probabilities straight to bf16 pairs; outputs bit for bit as the
-      // one-row update's. SmolLM2's heads (3 KV heads, groups of 3), with the PV's group below,
-      // old against new in four fresh pairs of processes: one decode at 2k keys 0.83x the time,
-      // 32 at 4k 0.88x (cold: more of it is the pool's reads)
-      const bool whole = bf16 && kDecodeBf16 && bs == 32 && from == 0 && n == 32 && group <= 4;
       for (int64_t r = r0; r < r0 + group; ++r) {
         const T* qrow = bf16 ? qs + r * d : reinterpret_cast<const T*>(qf.data() + r * d);
         float* sc = scores.data() + r * bs;
@@ -1505,33 +1505,17 @@ __attribute__((always_inline)) inline void qrows4_bf16(const uint8_t* wr, int64_
 #endif
 
 // sum of each group of 32 values of x[groups * 32]
-inline void group_sums(const float* x, int64_t groups, float* out) {
-#if defined(__AVX512F__)
-  for (int64_t g = 0; g < groups; ++g)
-    out[g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + g * 32), _mm512_loadu_ps(x + g * 32 + 16)));
-#else
+template <typename T>
+inline void group_sums(const T* x, int64_t groups, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
-    float t = 0.f;
-    for (int64_t i = 0; i < 32; ++i) t += x[g * 32 + i];
-    out[g] = t;
-  }
-#endif
-}
-inline void group_sums(const at::BFloat16* x, int64_t groups, float* out) {
 #if defined(__AVX512F__)
-  auto wide = [](const at::BFloat16* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  };
-  for (int64_t g = 0; g < groups; ++g)
-    out[g] = _mm512_reduce_add_ps(_mm512_add_ps(wide(x + g * 32), wide(x + g * 32 + 16)));
+    out[g] = _mm512_reduce_add_ps(_mm512_add_ps(load16(x + g * 32), load16(x + g * 32 + 16)));
 #else
-  for (int64_t g = 0; g < groups; ++g) {
     float t = 0.f;
     for (int64_t i = 0; i < 32; ++i) t += load(x, g * 32 + i);
     out[g] = t;
-  }
 #endif
+  }
 }
 
 template <typename T>

@@ -48,12 +48,6 @@ constexpr int HM8 = QGEMM_A8_HM;   // vectors of 16 rows per block
 constexpr int MB8 = 16 * HM8;      // rows per block of x
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // rows r0 .. r0 + MB8 - 1 of x [m, k] (rows past m zero): xq words [k/4][MB8], dx and
 // dx * sum(xq) [groups][MB8]
 template <typename T>

@@ -65,6 +65,16 @@ inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// 16 consecutive values of x (fp32 or bf16) as fp32: what qgemv's group sums and qgemm_a8's
+// quantization of x read
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // The fp32 bias [n] of a many-row product (undefined tensor when there is none) and the check of
 // its silu_mul form ([gate; up] rows, no bias): the argument handling qgemm and qgemm_a8 share
 inline at::Tensor gemm_bias(const char* op, const c10::optional<at::Tensor>& bias, int64_t n, bool silu_mul) {
