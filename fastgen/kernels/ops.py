@@ -87,10 +87,11 @@ class NativeOps:
     name = "native"
 
     def __init__(self) -> None:
-        # the ops' overloads themselves, not their packets: ~0.25 us less a call (~150 a decode step)
-        ops = torch.ops.fastgen
-        self._rms_norm, self._add_rms_norm_ = ops.rms_norm.default, ops.add_rms_norm_.default
-        self._silu_mul, self._rope_write_kv = ops.silu_mul.default, ops.rope_write_kv.default
+        # direct calls (fastgen.kernels.direct): ~1 us less a call than torch.ops' overloads, which
+        # were ~0.25 us less than their packets (~150 such calls a decode step)
+        from . import fast_op
+        self._rms_norm, self._add_rms_norm_ = fast_op("rms_norm"), fast_op("add_rms_norm_")
+        self._silu_mul, self._rope_write_kv = fast_op("silu_mul"), fast_op("rope_write_kv")
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)

@@ -25,6 +25,8 @@ from typing import Any, Mapping, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels import fast_op
+
 from ..batch import RaggedBatch
 from ..cache import KVPool
 
@@ -195,7 +197,7 @@ class PagedAttention:
 
     def __init__(self, dtype: torch.dtype, device: torch.device, windows: tuple[int, ...] = ()) -> None:
         self.device = device            # dtype: the pool's and q's, read by the kernel; windows: any
-        self._kernel = torch.ops.fastgen.paged_attention.default   # the overload itself: ~0.25 us less a call
+        self._kernel = fast_op("paged_attention")   # a direct call: ~1 us less than torch.ops' overload
 
     def plan(self, batch: RaggedBatch) -> PagedPlan:
         ns = batch.num_seqs

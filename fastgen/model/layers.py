@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import fast_op
+
 
 class WeightFormat(Protocol):
     name: str
@@ -103,7 +105,7 @@ class GemvDenseWeight(DenseWeight):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.contiguous(), bias)
-        self._gemv = torch.ops.fastgen.gemv
+        self._gemv = fast_op("gemv")
         self._packed = PackedWeight(weight, bias) if PackedWeight.supported(weight.device, weight.dtype) else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..kernels import fast_op
+
 GROUP = 32
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -230,10 +232,10 @@ class QuantWeight:
         self.bias = bias
         self._bias_f32 = None if bias is None else bias.float().contiguous()
         self.max_qgemv_rows = self.MAX_QGEMV_ROWS_8BIT if quant.kind == 8 else self.MAX_QGEMV_ROWS
-        # the ops' overloads themselves, not their packets: ~0.25 us less a call (121 a decode step)
-        self._qgemv, self._qgemm = torch.ops.fastgen.qgemv.default, torch.ops.fastgen.qgemm.default
-        a8 = getattr(torch.ops.fastgen, "qgemm_a8", None)
-        self._qgemm_a8 = None if a8 is None else a8.default
+        # direct calls of the ops (fastgen.kernels.direct: ~1 us less a call than torch.ops'
+        # overloads; 121 qgemv calls a decode step)
+        self._qgemv, self._qgemm = fast_op("qgemv"), fast_op("qgemm")
+        self._qgemm_a8 = fast_op("qgemm_a8") if hasattr(torch.ops.fastgen, "qgemm_a8") else None
         # int8 activations (per group of 32, VNNI dot products; EngineOptions turns them on unless
         # float32 is asked for by name), where they pay:
         # - prompt rows (MIN_A8_ROWS or more): qgemm_a8, products 1.1-1.35x qgemm's rate, a
@@ -299,7 +301,7 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         r = self.rows
-        return torch.ops.fastgen.qembed(ids, r.qweight, r.scales, r.mins, r.kind, self.dtype)
+        return fast_op("qembed")(ids, r.qweight, r.scales, r.mins, r.kind, self.dtype)
 
     @property
     def num_bytes(self) -> int:

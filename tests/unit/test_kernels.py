@@ -202,3 +202,37 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "True", out.stderr
     assert not (build_dir / "lock").exists()
+
+
+def test_direct_calls_equal_the_registered_ops_and_keep_the_dispatchers_checks():
+    """fastgen.kernels.direct() (what the model's hot paths call) runs the same kernels as
+    torch.ops.fastgen, bit for bit, and still goes through the dispatcher: a tensor on a device
+    the kernels do not cover and a bad shape are refused with an error, not read as host memory."""
+    from fastgen.model.quant import quantize
+
+    d = kernels.direct()
+    assert d is not None
+    torch.manual_seed(0)
+    ops = torch.ops.fastgen
+    x = torch.randn(3, 64).bfloat16()
+    q = quantize(torch.randn(48, 64), 4)
+    sc, mn = q.scales.half(), q.mins.half()
+    assert torch.equal(d.qgemv(x, q.qweight, sc, mn, 4, False), ops.qgemv(x, q.qweight, sc, mn, 4, False))
+    xs = torch.randn(20, 64).bfloat16()
+    assert torch.equal(d.qgemm(xs, q.qweight, sc, mn, 4, None, False), ops.qgemm(xs, q.qweight, sc, mn, 4, None, False))
+    ids = torch.tensor([0, 5, 47])
+    assert torch.equal(d.qembed(ids, q.qweight, sc, mn, 4, torch.bfloat16),
+                       ops.qembed(ids, q.qweight, sc, mn, 4, torch.bfloat16))
+    w = torch.ones(64).bfloat16()
+    assert torch.equal(d.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
+    a, r, a2, r2 = x.clone(), x.clone() * 2, x.clone(), x.clone() * 2
+    d.add_rms_norm_(a, r, w, 1e-6)
+    ops.add_rms_norm_(a2, r2, w, 1e-6)
+    assert torch.equal(a, a2) and torch.equal(r, r2) and not torch.equal(r, x * 2)   # in place, as the op
+    assert torch.equal(d.silu_mul(x), ops.silu_mul(x))
+    with pytest.raises(NotImplementedError, match="qgemv"):
+        d.qgemv(x.to("meta"), q.qweight.to("meta"), sc.to("meta"), mn.to("meta"), 4, False)
+    with pytest.raises(RuntimeError, match="qgemv"):
+        d.qgemv(torch.randn(1, 60).bfloat16(), q.qweight, sc, mn, 4, False)
+    with pytest.raises(RuntimeError, match="gemv"):
+        d.gemv(torch.randn(1, 8), torch.randn(4, 9), None)
