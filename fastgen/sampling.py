@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .request import SamplingParams, TokenLogprob
 from .structured import GrammarState, apply_grammar_masks
 
@@ -82,6 +83,17 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generat
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the same indices, NaN and ties included), through the native kernel
+    for fp32 CPU rows where it is loaded: torch's CPU argmax took 30 us for one row of SmolLM2's
+    49,152 logits and 516 us for 32 rows."""
+    direct = kernels.direct()
+    if direct is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.shape[1] > 0:
+        return direct.argmax_rows(logits)
+    return logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            grammar_bias: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [n, V] fp32, one row per request that samples this step; ``grammar_bias``: see
@@ -95,7 +107,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if any(want_lp) else None
     process_logits(logits, rows, grammar_bias)
 
-    chosen = logits.argmax(-1)
+    chosen = argmax_rows(logits)
     sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sample_idx:
         srows = [rows[i] for i in sample_idx]

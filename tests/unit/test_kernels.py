@@ -236,3 +236,23 @@ def test_direct_calls_equal_the_registered_ops_and_keep_the_dispatchers_checks()
         d.qgemv(torch.randn(1, 60).bfloat16(), q.qweight, sc, mn, 4, False)
     with pytest.raises(RuntimeError, match="gemv"):
         d.gemv(torch.randn(1, 8), torch.randn(4, 9), None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_native_argmax_gives_torchs_indices(data):
+    """Greedy sampling's argmax (fastgen.sampling.argmax_rows, native for fp32 CPU rows): the
+    first index of each row's largest value, as torch.argmax, with ties, infinities and NaN
+    (the first NaN wins) anywhere in rows shorter and longer than the kernel's 64-value steps."""
+    from fastgen.sampling import argmax_rows
+
+    n = data.draw(st.integers(1, 5))
+    v = data.draw(st.sampled_from([1, 5, 16, 63, 64, 65, 130, 1000]))
+    vals = st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), -float("inf"), float("nan")])
+    x = torch.randn(n, v).mul(2).round()      # rounded: many ties
+    for _ in range(data.draw(st.integers(0, 6))):
+        x[data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, v - 1))] = data.draw(vals)
+    assert kernels.direct() is not None
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    flipped = x.flip(1).contiguous()
+    assert torch.equal(argmax_rows(flipped), flipped.argmax(-1))

@@ -157,6 +157,73 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 // ---------------------------------------------------------------------------------------
+// argmax of each row of fp32 x [n, v] (greedy sampling): torch.argmax's answer, the first index
+// of the largest value, or of the first NaN where a row holds one. torch's CPU argmax walks the
+// row one value at a time: 30 us for SmolLM2's 49,152 logits, 516 us for 32 rows, against
+// amax's 4.9 / 41 us on the 2-core Zen 5 host; this keeps 16 running maxima and their indices.
+int64_t argmax_row(const float* x, int64_t v) {
+  int64_t i = 0, best = 0;
+  float bv = x[0];
+#if defined(__AVX512F__)
+  if (v >= 64) {
+    // four sets of 16 lanes (independent compare chains), merged at the end
+    __m512 mv[4];
+    __m512i mi[4], cur[4];
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i step = _mm512_set1_epi32(64);
+    __mmask16 nan = 0;
+    for (int s = 0; s < 4; ++s) {
+      mv[s] = _mm512_loadu_ps(x + 16 * s);
+      mi[s] = cur[s] = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * s));
+      nan |= _mm512_cmp_ps_mask(mv[s], mv[s], _CMP_UNORD_Q);
+    }
+    for (i = 64; i + 64 <= v && !nan; i += 64) {
+      for (int s = 0; s < 4; ++s) {
+        cur[s] = _mm512_add_epi32(cur[s], step);
+        const __m512 xv = _mm512_loadu_ps(x + i + 16 * s);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_cmp_ps_mask(xv, mv[s], _CMP_GT_OQ);   // strictly: a lane keeps its earliest
+        mv[s] = _mm512_mask_mov_ps(mv[s], gt, xv);
+        mi[s] = _mm512_mask_mov_epi32(mi[s], gt, cur[s]);
+      }
+    }
+    if (nan) {   // torch: the first NaN wins
+      for (int64_t j = 0; j < v; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    for (int s = 1; s < 4; ++s) {   // per lane: the larger value, the smaller index on a tie
+      const __mmask16 take = _mm512_cmp_ps_mask(mv[s], mv[0], _CMP_GT_OQ) |
+                             (_mm512_cmp_ps_mask(mv[s], mv[0], _CMP_EQ_OQ) & _mm512_cmplt_epi32_mask(mi[s], mi[0]));
+      mv[0] = _mm512_mask_mov_ps(mv[0], take, mv[s]);
+      mi[0] = _mm512_mask_mov_epi32(mi[0], take, mi[s]);
+    }
+    bv = _mm512_reduce_max_ps(mv[0]);
+    const __mmask16 at = _mm512_cmp_ps_mask(mv[0], _mm512_set1_ps(bv), _CMP_EQ_OQ);
+    best = _mm512_mask_reduce_min_epi32(at, mi[0]);   // the smallest index holding the maximum
+  }
+#endif
+  for (; i < v; ++i) {   // the tail (or a short row): strictly greater, so the earliest stays
+    if (std::isnan(x[i])) return i;
+    if (x[i] > bv) bv = x[i], best = i;
+  }
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "argmax_rows: x [n, v] fp32, v > 0");
+  at::Tensor xc = x.contiguous();
+  const int64_t n = xc.size(0), v = xc.size(1);
+  at::Tensor out = at::empty({n}, xc.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  // one row stays on the calling thread (a parallel region costs more than ~3 us of scanning)
+  at::parallel_for(0, n, n >= 4 ? 1 : n, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * v, v);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
 // RoPE (rotate-half convention) of q and k from the fused QKV output, written as
 // q [T, H, D] and k [T, KVH, D] (new tensors); rotated k and raw v are stored into the pool
 // at `slots`. cos/sin: [max_positions, D] fp32 tables (halves equal), scaling folded in.
@@ -1661,6 +1728,7 @@ TORCH_LIBRARY(fastgen, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
         "Tensor(a!) k_pool, Tensor(b!) v_pool, int h, int kvh, int d) -> Tensor[]");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -1684,6 +1752,7 @@ TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("paged_attention", &paged_attention);
   m.impl("gemv", &gemv);

@@ -28,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   static auto rms_norm = handle<T(const T&, const T&, double)>("fastgen::rms_norm");
   static auto add_rms_norm_ = handle<void(T&, T&, const T&, double)>("fastgen::add_rms_norm_");
   static auto silu_mul = handle<T(const T&)>("fastgen::silu_mul");
+  static auto argmax_rows = handle<T(const T&)>("fastgen::argmax_rows");
   static auto rope_write_kv = handle<std::vector<T>(const T&, const T&, const T&, const T&, const T&, T&, T&,
                                                     int64_t, int64_t, int64_t)>("fastgen::rope_write_kv");
   static auto paged_attention = handle<T(const T&, const T&, const T&, const T&, const T&, const T&, double,
@@ -44,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", [](const T& x, const T& w, double eps) { return rms_norm.call(x, w, eps); });
   m.def("add_rms_norm_", [](T x, T residual, const T& w, double eps) { add_rms_norm_.call(x, residual, w, eps); });
   m.def("silu_mul", [](const T& gate_up) { return silu_mul.call(gate_up); });
+  m.def("argmax_rows", [](const T& x) { return argmax_rows.call(x); });
   m.def("rope_write_kv", [](const T& qkv, const T& positions, const T& cos, const T& sin, const T& slots, T k_pool,
                             T v_pool, int64_t h, int64_t kvh, int64_t d) {
     return rope_write_kv.call(qkv, positions, cos, sin, slots, k_pool, v_pool, h, kvh, d);
