@@ -297,11 +297,12 @@ class QuantEmbedding(torch.nn.Module):
     def __init__(self, rows: QuantRows, dtype: torch.dtype) -> None:
         super().__init__()
         self.rows, self.dtype = rows, dtype
+        self._qembed = fast_op("qembed")   # looked up once, not every step
         self.num_embeddings, self.embedding_dim = rows.qweight.shape[0], rows.scales.shape[1] * GROUP
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         r = self.rows
-        return fast_op("qembed")(ids, r.qweight, r.scales, r.mins, r.kind, self.dtype)
+        return self._qembed(ids, r.qweight, r.scales, r.mins, r.kind, self.dtype)
 
     @property
     def num_bytes(self) -> int:
