@@ -293,6 +293,7 @@ class LlamaForCausalLM(nn.Module):
             if self._embed_quant is not None:
                 self.head.quant_parts[0] = self._embed_quant
         self.__dict__["_runs"] = None      # the layers' closures are bound again on the next forward
+        self.__dict__["_stack"] = None     # and the native stack built again (fastgen/model/stack.py)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(formatter(m))
@@ -330,9 +331,23 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed(batch)                               # [T, hidden]
         first = self.layers[0].input_layernorm
         x = self.ops.rms_norm(residual, first.weight, first.eps)
-        for run in self._layer_runs():
-            x = run(x, residual, step)                             # x = the next norm of residual
+        stack = self._native_stack()
+        if stack is not None and stack.takes(x.shape[0]):
+            x = stack.run(x, residual, step)                       # the same ops, without Python between
+        else:
+            for run in self._layer_runs():
+                x = run(x, residual, step)                         # x = the next norm of residual
         return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
+
+    def _native_stack(self):
+        """The layers as one native call for decode rows (fastgen/model/stack.py), built once after
+        prepare(); False where this model's layers cannot run that way."""
+        stack = self.__dict__.get("_stack")
+        if stack is None:
+            from .stack import NativeStack
+            stack = NativeStack.build(self) or False
+            self.__dict__["_stack"] = stack
+        return stack or None
 
     def _layer_runs(self) -> list[Callable]:
         """Each layer bound to the norm that follows it (DecoderLayer.bind), made once after

@@ -119,3 +119,6 @@ def finish_formats(model: nn.Module, shards: list[Shard], group: TPGroup) -> Non
         if isinstance(m, RowLinear) and name.endswith(ROW_PARALLEL):
             m.format = AllReduced(m.format, group)
     model.head.format = VocabGathered(model.head.format, group, [s.vocab[1] - s.vocab[0] for s in shards])
+    # the native layer stack (fastgen/model/stack.py) holds the formats it found: build it again,
+    # from these (it then declines the all-reducing ones and the layers' closures run)
+    model.__dict__["_stack"] = None

@@ -20,6 +20,99 @@ c10::TypedOperatorHandle<Sig> handle(const char* name) {
 using T = at::Tensor;
 using OptT = c10::optional<at::Tensor>;
 
+using RmsNorm = T(const T&, const T&, double);
+using AddRmsNorm = void(T&, T&, const T&, double);
+using SiluMul = T(const T&);
+using RopeWriteKv = std::vector<T>(const T&, const T&, const T&, const T&, const T&, T&, T&, int64_t, int64_t,
+                                   int64_t);
+using PagedAttention = T(const T&, const T&, const T&, const T&, const T&, const T&, double, int64_t);
+using Gemv = T(const T&, const T&, const OptT&);
+using Qgemv = T(const T&, const T&, const T&, const OptT&, int64_t, bool);
+
+// The decode-row product of one weight format, as fastgen/model/layers.py (GemvDenseWeight) and
+// fastgen/model/quant.py (QuantWeight) compute it for the rows a LayerStack takes: kind 0 is the
+// dense GEMV (weight, bias), kind 4 / 8 the quantized rows through qgemv (then `+ bias`, as
+// QuantWeight adds it), `act_int8` the activations' int8 flag QuantWeight passes for the model's dtype.
+struct Product {
+  int64_t kind = 0;
+  T weight;
+  OptT scales, mins, bias;
+  bool act_int8 = false;
+};
+
+struct StackLayer {
+  Product qkv, o, gate_up, down;
+  T post_norm, next_norm;
+  double post_eps = 0, next_eps = 0, scale = 1;
+  int64_t layer = 0, heads = 0, kv_heads = 0, head_dim = 0, rope = 0, window = 0;
+};
+
+// A Llama-family decoder stack run for few rows (decode steps) without Python between its ops:
+// the same ops, in the same order and with the same arguments as the layers' closures
+// (fastgen/model/llama.py, DecoderLayer.bind), called through their typed dispatcher handles, so
+// the result is the closures' bit for bit; only the ~10 Python calls a layer make are gone, and
+// the GIL is released while it runs. fastgen/model/stack.py decides when a model can use it.
+class LayerStack {
+ public:
+  LayerStack()
+      : add_rms_norm_(handle<AddRmsNorm>("fastgen::add_rms_norm_")),
+        silu_mul_(handle<SiluMul>("fastgen::silu_mul")),
+        rope_write_kv_(handle<RopeWriteKv>("fastgen::rope_write_kv")),
+        paged_attention_(handle<PagedAttention>("fastgen::paged_attention")),
+        gemv_(handle<Gemv>("fastgen::gemv")),
+        qgemv_(handle<Qgemv>("fastgen::qgemv")) {}
+
+  void add_layer(StackLayer l) { layers_.push_back(std::move(l)); }
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x: the first layer's input norm of `residual` ([T, hidden]); updates `residual` in place and
+  // returns the last layer's `next_norm` of it. cos/sin: the RoPE tables (a layer reads its
+  // `rope`); k_pools/v_pools: the KV pool's tensors by layer; the rest is the step's PagedPlan.
+  T run(T x, T residual, const T& positions, const std::vector<T>& cos, const std::vector<T>& sin, const T& slots,
+        std::vector<T> k_pools, std::vector<T> v_pools, const T& q_starts, const T& start_pos,
+        const T& block_tables) {
+    const int64_t rows = x.size(0);
+    for (const StackLayer& l : layers_) {
+      TORCH_CHECK(l.layer < static_cast<int64_t>(k_pools.size()) && l.layer < static_cast<int64_t>(v_pools.size()),
+                  "LayerStack: no KV pool tensor for layer ", l.layer);
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()) && l.rope < static_cast<int64_t>(sin.size()),
+                  "LayerStack: no RoPE table ", l.rope);
+      T qkv = product(l.qkv, x);
+      std::vector<T> qk = rope_write_kv_.call(qkv, positions, cos[l.rope], sin[l.rope], slots, k_pools[l.layer],
+                                              v_pools[l.layer], l.heads, l.kv_heads, l.head_dim);
+      T o = paged_attention_.call(qk[0].contiguous(), k_pools[l.layer], v_pools[l.layer], q_starts, start_pos,
+                                  block_tables, l.scale, l.window);
+      T a = product(l.o, o.reshape({rows, -1}));
+      add_rms_norm_.call(a, residual, l.post_norm, l.post_eps);
+      T m = product(l.down, silu_mul_.call(product(l.gate_up, a)));
+      add_rms_norm_.call(m, residual, l.next_norm, l.next_eps);
+      x = m;
+    }
+    return x;
+  }
+
+ private:
+  T product(const Product& p, const T& x) {
+    if (p.kind == 0) return gemv_.call(x, p.weight, p.bias);
+    T y = qgemv_.call(x, p.weight, *p.scales, p.mins, p.kind, p.act_int8);
+    return p.bias ? y + *p.bias : y;
+  }
+
+  std::vector<StackLayer> layers_;
+  c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm_;
+  c10::TypedOperatorHandle<SiluMul> silu_mul_;
+  c10::TypedOperatorHandle<RopeWriteKv> rope_write_kv_;
+  c10::TypedOperatorHandle<PagedAttention> paged_attention_;
+  c10::TypedOperatorHandle<Gemv> gemv_;
+  c10::TypedOperatorHandle<Qgemv> qgemv_;
+};
+
+Product make_product(int64_t kind, T weight, OptT scales, OptT mins, OptT bias, bool act_int8) {
+  TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "LayerStack: product kind must be 0 (dense), 4 or 8, got ", kind);
+  TORCH_CHECK(kind == 0 || scales.has_value(), "LayerStack: quantized rows need their scales");
+  return Product{kind, std::move(weight), std::move(scales), std::move(mins), std::move(bias), act_int8};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -42,6 +135,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   static auto qembed = handle<T(const T&, const T&, const T&, const OptT&, int64_t, at::ScalarType)>(
       "fastgen::qembed");
 
+  py::class_<Product>(m, "Product");
+  m.def("product", &make_product, py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"),
+        py::arg("bias"), py::arg("act_int8"));
+  py::class_<LayerStack>(m, "LayerStack")
+      .def(py::init<>())
+      .def("add_layer",
+           [](LayerStack& s, const Product& qkv, const Product& o, const Product& gate_up, const Product& down,
+              T post_norm, double post_eps, T next_norm, double next_eps, int64_t layer, int64_t heads,
+              int64_t kv_heads, int64_t head_dim, int64_t rope, double scale, int64_t window) {
+             s.add_layer(StackLayer{qkv, o, gate_up, down, std::move(post_norm), std::move(next_norm), post_eps,
+                                    next_eps, scale, layer, heads, kv_heads, head_dim, rope, window});
+           })
+      .def("__len__", &LayerStack::size)
+      .def("run", &LayerStack::run, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", [](const T& x, const T& w, double eps) { return rms_norm.call(x, w, eps); });
   m.def("add_rms_norm_", [](T x, T residual, const T& w, double eps) { add_rms_norm_.call(x, residual, w, eps); });
   m.def("silu_mul", [](const T& gate_up) { return silu_mul.call(gate_up); });

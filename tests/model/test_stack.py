@@ -1,0 +1,99 @@
+"""The native layer stack (fastgen/model/stack.py) runs exactly what the layers' closures run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen import kernels
+from fastgen.model.llama import ModelConfig
+from fastgen.model.loader import load_hf_config, load_model
+from fastgen.model.stack import NativeStack
+
+from .ragged import ragged_logits
+from .test_parity import TINY, _tiny_configs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if not kernels.load():
+        pytest.fail("fastgen's native kernels did not build on this host")
+
+
+def _checkpoint(name: str, tmp_path) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(_tiny_configs()[name], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ref.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _logits(model, cfg, sequences, max_chunk: int, use_stack: bool, monkeypatch) -> tuple[list, int]:
+    """Per-position logits through random ragged schedules, and how many forwards took the stack."""
+    calls = []
+    real_run = NativeStack.run
+
+    def counted(self, x, residual, step):
+        calls.append(x.shape[0])
+        return real_run(self, x, residual, step)
+
+    monkeypatch.setattr(NativeStack, "run", counted)
+    monkeypatch.setenv("FASTGEN_LAYER_STACK", "1" if use_stack else "0")
+    model.__dict__["_stack"] = None
+    return ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=max_chunk), len(calls)
+
+
+# llama: dense or quantized rows, GQA; mistral-window-13: a sliding window inside a block; qwen2: a
+# QKV bias (added after qgemv, or by the GEMV); llama-tied-llama3-rope: a tied head and RoPE scaling
+@pytest.mark.parametrize("name", ["llama", "mistral-window-13", "qwen2", "llama-tied-llama3-rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
+def test_the_stack_gives_the_closures_logits_bit_for_bit(name, dtype, quantization, tmp_path, monkeypatch):
+    path = _checkpoint(name, tmp_path)
+    model = load_model(path, dtype=dtype, device=torch.device("cpu"), max_positions=256, kernels="native",
+                       quantization=quantization)
+    cfg = ModelConfig.from_hf(load_hf_config(path))
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (3, 9, 17, 30, 41)]
+    want, closures_calls = _logits(model, cfg, sequences, 1, False, monkeypatch)   # decodes of 1-5 rows
+    got, stack_calls = _logits(model, cfg, sequences, 1, True, monkeypatch)
+    assert closures_calls == 0 and stack_calls > 0
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # prompt chunks (more rows than the one-row kernels take) run the closures, the decodes the stack
+    want, _ = _logits(model, cfg, sequences, 12, False, monkeypatch)
+    got, stack_calls = _logits(model, cfg, sequences, 12, True, monkeypatch)
+    assert stack_calls > 0
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_the_stack_takes_only_rows_its_products_send_to_their_one_row_kernels(tmp_path):
+    path = _checkpoint("llama", tmp_path)
+    model = load_model(path, dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=256,
+                       kernels="native", quantization="int4")
+    stack = model._native_stack()
+    limits = {m.format.max_qgemv_rows_bf16 for m in model.layers.modules() if hasattr(m, "format")}
+    assert stack is not None and stack.max_rows == min(limits)
+    assert stack.takes(stack.max_rows) and not stack.takes(stack.max_rows + 1)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mixtral"])
+def test_layers_the_stack_does_not_run_keep_their_closures(name, tmp_path):
+    """q/k norms (Qwen3), Gemma 3's own layers, experts (Mixtral): no stack; the closures serve."""
+    path = _checkpoint(name, tmp_path)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, kernels="native")
+    assert model._native_stack() is None
+
+
+def test_torch_kernels_and_the_off_switch_take_no_stack(tmp_path, monkeypatch):
+    path = _checkpoint("llama", tmp_path)
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, kernels="torch")
+    assert model._native_stack() is None
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"), max_positions=256, kernels="native")
+    monkeypatch.setenv("FASTGEN_LAYER_STACK", "0")
+    model.__dict__["_stack"] = None
+    assert model._native_stack() is None
