@@ -243,6 +243,10 @@ class QuantWeight:
         # - decode rows only where qgemv has no bf16 dot products (fp32 activations, 8-bit rows,
         #   CPUs without AVX512-BF16): there 13% faster decode steps, perplexity +1.3%; in bf16
         #   against the bf16 dot products their decode steps ran 0.85x as fast, so those stay.
+        #   4-bit rows take qrows4_a8 (qgemm_a8's sums, two vpdpbusd per 64 weight bytes): on the
+        #   Zen 4 host SmolLM2's 120 layer products from memory with fp32 x took 0.78x the time of
+        #   the earlier int8 kernel (three fresh pairs); with bf16 x 0.986x the bf16 dot products'
+        #   time (60 alternating rounds), too little for int8's error, so bf16 rows keep those.
         # Decode rows then differ from prompt rows by the activations' rounding, so greedy parity
         # with the reference and seeded outputs that do not depend on the batch no longer hold
         # exactly (docs/architecture.md)

@@ -174,6 +174,28 @@ def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 1536, 96, 160, 224])   # 4-group quads and a last pair and/or a last group
+def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, k):
+    """qgemv with int8 x against 4-bit rows (qrows4_a8) rounds x as qgemm_a8 does and sums the
+    same terms: decode rows and prompt rows differ by the sums' order only, each a decode's
+    output is the same in any batch, and the reference is x's rounding times the exact weights."""
+    _skip_without_vnni()
+    g = torch.Generator().manual_seed(k)
+    q = QuantWeight(quantize(torch.randn(75, k, generator=g), 4), None).quant
+    x = torch.randn(7, k, generator=g).to(dtype)
+    x[2, 32:64] = 0                            # a group of zeros
+    got = torch.ops.fastgen.qgemv(x, q.qweight, q.scales, q.mins, 4, True)
+    prompt = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, 4)
+    want = _int8_per_group(x) @ q.dequantize().T
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
+    assert ((got.float() - prompt.float()).abs().max() / want.abs().max()).item() < tol
+    for r in range(7):
+        alone = torch.ops.fastgen.qgemv(x[r:r + 1], q.qweight, q.scales, q.mins, 4, True)
+        assert torch.equal(alone[0], got[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8_activations", [False, True])
 @pytest.mark.parametrize("rows,inter,k", [(9, 1536, 576), (130, 20, 64), (300, 36, 96)])  # 20, 36: a short last panel pair
 def test_the_fused_activation_equals_silu_mul_of_the_product(dtype, int8_activations, rows, inter, k):

@@ -1571,6 +1571,118 @@ __attribute__((always_inline)) inline void qrows4_bf16(const uint8_t* wr, int64_
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// int8 x for qrows4_a8: each group of 32 quantized as qgemm_a8 does (dx = max|x| / 127, round to
+// nearest even of x / dx; dsum = dx * sum(xq)), laid out to meet the weight bytes as they load:
+// per four groups 128 bytes, [weights 0..15 of each of the 4 groups | weights 16..31 of each]
+// (a byte of the 64 weight bytes holds weight i and 16 + i of group i / 16 in its two nibbles);
+// then a last pair of groups the same way in 64 bytes, then a last single group in 32.
+inline void quantize_x_quads(const float* xr, int64_t k, int8_t* xq, float* dx, float* dsum) {
+  const int64_t groups = k / 32, quads = groups / 4, pair = (groups % 4) / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    const __m512 a = _mm512_loadu_ps(xr + g * 32), b = _mm512_loadu_ps(xr + g * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const float d = amax > 0.f ? amax / 127.f : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / d);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    dx[g] = d;
+    dsum[g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    int64_t lo, hi;   // where weights 0..15 and 16..31 of group g go
+    if (g < quads * 4) {
+      lo = (g / 4) * 128 + (g % 4) * 16, hi = lo + 64;
+    } else if (pair && g < quads * 4 + 2) {
+      lo = quads * 128 + (g - quads * 4) * 16, hi = lo + 32;
+    } else {
+      lo = quads * 128 + pair * 64, hi = lo + 16;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + lo), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + hi), _mm512_cvtsepi32_epi8(qb));
+  }
+}
+
+// int8 x (quantize_x_quads) against 4-bit W rows with vpdpbusd: WN consecutive W rows (row_bytes
+// apart, their fp16 scales and minima `groups` apart) against RN rows of x, totals [WN][RN] of
+//   sum_g  s[g] dx[g] * dot(q, xq)  +  m[g] * dsum[g],
+// qgemm_a8's sum for prompt rows, dot(q, xq) exact in int32. Per 64 weight bytes (four groups):
+// the nibbles masked into two vectors of unsigned bytes, two vpdpbusd (4 lanes a group), one
+// conversion and one FMA by the lanes' s * dx; against qrows4_bf16's four vdpbf16ps and four
+// nibble-to-bf16 operations. Each (W row, x row) takes the same operations in the same order
+// whatever WN and RN are: a decode's output does not depend on its batch.
+template <int WN, int RN>
+__attribute__((always_inline)) inline void qrows4_a8(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc,
+                                                     const uint16_t* mn, const int8_t* const* xq,
+                                                     const float* const* dx, const float* const* dsum,
+                                                     int64_t groups, float* totals) {
+  __m512 acc[WN][RN];
+  __m128 accm[WN][RN];
+  for (int w = 0; w < WN; ++w)
+    for (int r = 0; r < RN; ++r) acc[w][r] = _mm512_setzero_ps(), accm[w][r] = _mm_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i idx4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int64_t quads = groups / 4, pair = (groups % 4) / 2, single = groups % 2;
+  for (int64_t q = 0; q < quads; ++q) {
+    for (int w = 0; w < WN; ++w) {
+      const __m512i b = _mm512_loadu_si512(wr + w * row_bytes + q * 64);
+      const __m512i lo = _mm512_and_si512(b, m4), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+      const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + w * groups + 4 * q)));
+      const __m128 m4v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + w * groups + 4 * q)));
+      for (int r = 0; r < RN; ++r) {
+        const int8_t* xv = xq[r] + q * 128;
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xv));
+        d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xv + 64));
+        const __m512 scale = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(_mm_mul_ps(s4, _mm_loadu_ps(dx[r] + 4 * q))));
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[w][r]);
+        accm[w][r] = _mm_fmadd_ps(m4v, _mm_loadu_ps(dsum[r] + 4 * q), accm[w][r]);
+      }
+    }
+  }
+  for (int w = 0; w < WN; ++w) {
+    const uint8_t* row = wr + w * row_bytes;
+    for (int r = 0; r < RN; ++r) {
+      float tail = 0.f;
+      int64_t g = quads * 4, at = quads * 128;
+      if (pair) {   // two groups: 32 weight bytes, 8 lanes (4 a group)
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + quads * 64));
+        const __m256i m4h = _mm256_set1_epi8(0x0F);
+        const __m256i lo = _mm256_and_si256(b, m4h), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4h);
+        __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + at)));
+        d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + at + 32)));
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), d);
+        for (int t = 0; t < 2; ++t) {
+          const int32_t dot = lanes[4 * t] + lanes[4 * t + 1] + lanes[4 * t + 2] + lanes[4 * t + 3];
+          tail += half_to_float(sc[w * groups + g + t]) * dx[r][g + t] * static_cast<float>(dot) +
+                  half_to_float(mn[w * groups + g + t]) * dsum[r][g + t];
+        }
+        g += 2, at += 64;
+      }
+      if (single) {  // one group: 16 weight bytes
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
+        const __m128i m4x = _mm_set1_epi8(0x0F);
+        __m128i d = _mm_dpbusd_epi32(_mm_setzero_si128(), _mm_and_si128(b, m4x),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at)));
+        d = _mm_dpbusd_epi32(d, _mm_and_si128(_mm_srli_epi16(b, 4), m4x),
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at + 16)));
+        alignas(16) int32_t lanes[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(lanes), d);
+        const int32_t dot = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        tail += half_to_float(sc[w * groups + g]) * dx[r][g] * static_cast<float>(dot) +
+                half_to_float(mn[w * groups + g]) * dsum[r][g];
+      }
+      const __m128 m = accm[w][r];
+      const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
+      const float mins_total = _mm_cvtss_f32(_mm_add_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+      totals[w * RN + r] = _mm512_reduce_add_ps(acc[w][r]) + mins_total + tail;
+    }
+  }
+}
+constexpr bool kHaveA8Quads = true;
+#else
+constexpr bool kHaveA8Quads = false;
+#endif
+
 // sum of each group of 32 values of x[groups * 32]
 template <typename T>
 inline void group_sums(const T* x, int64_t groups, float* out) {
@@ -1612,19 +1724,61 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     }
   }
 #endif
+  // int8 x against 4-bit rows: the quads kernel (qrows4_a8), qgemm_a8's sums; 8-bit rows: qrow_vnni
+  const bool a8_quads = vnni && kind == 4 && kHaveA8Quads;
   std::vector<int8_t> xq(vnni ? m * (k + 64) : 0);
-  std::vector<float> dx(vnni ? m * groups : 0);
+  std::vector<float> dx(vnni ? m * groups : 0), dsum(a8_quads ? m * groups : 0);
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  for (int64_t r = 0; a8_quads && r < m; ++r)
+    quantize_x_quads(xf.data() + r * k, k, xq.data() + r * (k + 64), dx.data() + r * groups,
+                     dsum.data() + r * groups);
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  for (int64_t r = 0; vnni && r < m; ++r)
+  for (int64_t r = 0; vnni && !a8_quads && r < m; ++r)
     quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups);
 #endif
-  at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx, &xp](int64_t n0, int64_t n1) {
+  at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx, &dsum, &xp](int64_t n0, int64_t n1) {
     // this row's scales and minima in fp32 (16 per instruction from their fp16), for the row
-    // kernels that take them so (the bf16 dot products widen them in registers)
-    std::vector<float> row_scales(bf16_dot ? 0 : 2 * groups);
+    // kernels that take them so (the bf16 dot products and the int8 quads widen them in registers)
+    const bool fp16_rows = bf16_dot || a8_quads;
+    std::vector<float> row_scales(fp16_rows ? 0 : 2 * groups);
     float* sc = row_scales.data();
-    float* mn = mins_h != nullptr && !bf16_dot ? sc + groups : nullptr;
+    float* mn = mins_h != nullptr && !fp16_rows ? sc + groups : nullptr;
     int64_t o = n0;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (a8_quads) {
+      const int8_t* xqs[4];
+      const float *dxs[4], *dss[4];
+      if (m == 1) {   // one decode: two W rows at a time, as the bf16 dot products
+        constexpr int WN = 2;
+        xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
+        for (; o + WN <= n1; o += WN) {
+          const uint8_t* wr = qw + o * row_bytes;
+          for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
+          float totals[WN];
+          qrows4_a8<WN, 1>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs, dss, groups, totals);
+          for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
+        }
+      }
+      for (; o < n1; ++o) {
+        const uint8_t* wr = qw + o * row_bytes;
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+          const int64_t rn = std::min<int64_t>(4, m - r0);
+          float totals[4];
+          for (int64_t r = 0; r < rn; ++r)
+            xqs[r] = xq.data() + (r0 + r) * (k + 64), dxs[r] = dx.data() + (r0 + r) * groups,
+            dss[r] = dsum.data() + (r0 + r) * groups;
+          by_rows(rn, [&](auto rows) {
+            qrows4_a8<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs,
+                                                dss, groups, totals);
+          });
+          for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
+        }
+      }
+      return;
+    }
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (bf16_dot && m == 1) {   // one decode: two W rows at a time (qrows4_bf16<2, 1>)
       constexpr int WN = 2;
