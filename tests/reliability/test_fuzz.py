@@ -32,6 +32,10 @@ BODY_TIMEOUT_S = 2.0
 EXAMPLES_PER_MODE = 60        # per operation, positive and negative: ~700 requests in all
 FUZZ_BUDGET_S = 150.0         # past this, cases are generated but no longer sent
 ERROR_KEYS = {"message", "type", "param", "code"}
+# headers that HTTP's framing owns, and RFC 9110's token (a header name's characters)
+FRAMING_HEADERS = {"transfer-encoding", "content-length", "connection", "host", "te", "upgrade", "expect",
+                   "trailer", "keep-alive"}
+HEADER_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +228,14 @@ def test_schemathesis_finds_no_5xx_and_every_error_names_its_field(fuzz_server, 
                     return
                 if model and isinstance(case.body, dict) and "model" in case.body:
                     case.body["model"] = model  # most cases name the served model, so they reach the engine
+                if case.headers:
+                    # negative cases may add headers that break HTTP itself (a Transfer-Encoding the
+                    # parser does not know, a name that is not a token): the HTTP layer (uvicorn's
+                    # h11) answers those with its own plain-text 400 before any route runs, as for
+                    # vLLM's server; the API is what is fuzzed here, so they are left out
+                    for name in list(case.headers):
+                        if name.lower() in FRAMING_HEADERS or not HEADER_TOKEN.fullmatch(name):
+                            del case.headers[name]
                 response = case.call(base_url=fuzz_server.url, headers=auth(KEY), timeout=60)
                 statuses[(op.label, mode.value, response.status_code)] += 1
                 our_checks(f"{op.label} ({mode.value})", case, response)
