@@ -255,9 +255,16 @@ class QuantWeight:
         self.max_qgemv_rows_bf16 = self.MAX_QGEMV_ROWS_BF16 if bf16_dot else self.max_qgemv_rows
         self._decode_a8_bf16 = self.act_int8 and not bf16_dot   # bf16 decode rows in int8
 
+    def decode_plan(self, dtype: torch.dtype) -> tuple[int, bool]:
+        """``(rows, act_int8)`` for x of ``dtype``: up to ``rows`` rows take qgemv, with this
+        int8-activation flag (what :meth:`matmul` passes it; fastgen/model/stack.py reads it too)."""
+        if dtype == torch.bfloat16:
+            return self.max_qgemv_rows_bf16, self._decode_a8_bf16
+        return self.max_qgemv_rows, self.act_int8
+
     def _decode_rows(self, x: torch.Tensor) -> bool:
         """Whether x's rows are few enough for qgemv (the row limit of x's dtype)."""
-        return x.shape[0] <= (self.max_qgemv_rows_bf16 if x.dtype == torch.bfloat16 else self.max_qgemv_rows)
+        return x.shape[0] <= self.decode_plan(x.dtype)[0]
 
     def _many_rows(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
         """qgemm_a8 from MIN_A8_ROWS rows with int8 activations, else qgemm."""
@@ -266,9 +273,9 @@ class QuantWeight:
         return gemm(x, q.qweight, q.scales, q.mins, q.kind, bias, silu_mul)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._decode_rows(x):
+        rows, a8 = self.decode_plan(x.dtype)
+        if x.shape[0] <= rows:
             q = self.quant
-            a8 = self._decode_a8_bf16 if x.dtype == torch.bfloat16 else self.act_int8
             y = self._qgemv(x, q.qweight, q.scales, q.mins, q.kind, a8)
             return y if self.bias is None else y + self.bias
         return self._many_rows(x, self._bias_f32, False)

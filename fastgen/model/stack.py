@@ -40,9 +40,7 @@ def _product(d, linear: Linear, dtype: torch.dtype) -> tuple[Any, int] | None:
         return d.product(0, fmt.weight, None, None, fmt.bias, False), fmt.MAX_GEMV_ROWS
     if type(fmt) is QuantWeight:
         q = fmt.quant
-        bf16 = dtype == torch.bfloat16
-        act_int8 = fmt._decode_a8_bf16 if bf16 else fmt.act_int8
-        limit = fmt.max_qgemv_rows_bf16 if bf16 else fmt.max_qgemv_rows
+        limit, act_int8 = fmt.decode_plan(dtype)
         return d.product(q.kind, q.qweight, q.scales, q.mins, fmt.bias, act_int8), limit
     return None
 
@@ -78,8 +76,9 @@ class NativeStack:
             max_rows = min(max_rows, *(limit for _, limit in products))
             post = layer.post_attention_layernorm
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-            stack.add_layer(*(p for p, _ in products), post.weight, post.eps, nxt.weight, nxt.eps, attn.layer,
-                            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rope_index, attn.scale,
+            rope = model.ropes[attn.rope_index]
+            stack.add_layer(*(p for p, _ in products), post.weight, post.eps, nxt.weight, nxt.eps, rope.cos,
+                            rope.sin, attn.layer, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
                             attn.window)
         return cls(stack, max_rows) if layers else None
 
@@ -91,7 +90,5 @@ class NativeStack:
         updating ``residual`` as they do."""
         batch, plan, pool = step.batch, step.plan, step.pool
         assert isinstance(plan, PagedPlan)
-        ropes = step.ropes
-        return self._stack.run(x, residual, batch.positions, [r.cos for r in ropes], [r.sin for r in ropes],
-                               batch.slots, pool.keys, pool.values, plan.q_starts, plan.start_pos,
-                               plan.block_tables)
+        return self._stack.run(x, residual, batch.positions, batch.slots, pool.keys, pool.values, plan.q_starts,
+                               plan.start_pos, plan.block_tables)

@@ -8,6 +8,8 @@ import torch
 from fastgen.model.loader import load_model
 from fastgen.model.moe import MoE
 
+from .test_parity import random_checkpoint
+
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
 
@@ -23,14 +25,7 @@ def _configs():
 @pytest.mark.parametrize("name", list(_configs()))
 @pytest.mark.parametrize("num_tokens", [1, 3, 40])
 def test_experts_run_grouped_and_match_transformers(name, num_tokens, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_configs()[name], dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ref.save_pretrained(tmp_path)
+    ref = random_checkpoint(_configs()[name], tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"), max_positions=64)
     moe = model.layers[0].mlp
     assert isinstance(moe, MoE)

@@ -85,18 +85,25 @@ def _kernels(kind: str) -> str:
     return kind
 
 
-@pytest.mark.parametrize("kind", ["torch", "native"])
-@pytest.mark.parametrize("name", list(_tiny_configs()))
-def test_tiny_model_matches_transformers(name, kind, tmp_path):
+def random_checkpoint(hf_config, path):
+    """transformers' model of ``hf_config`` in fp32 with seeded random weights, saved to ``path``
+    as an HF checkpoint; returns the model (the reference)."""
     from transformers import AutoModelForCausalLM
 
-    hf_config = _tiny_configs()[name]
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():  # random init leaves some weights at exactly 0/1; perturb them all
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    ref.save_pretrained(tmp_path)
+    ref.save_pretrained(path)
+    return ref
+
+
+@pytest.mark.parametrize("kind", ["torch", "native"])
+@pytest.mark.parametrize("name", list(_tiny_configs()))
+def test_tiny_model_matches_transformers(name, kind, tmp_path):
+    hf_config = _tiny_configs()[name]
+    ref = random_checkpoint(hf_config, tmp_path)
 
     cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
     assert cfg.layer_windows == _windows(hf_config)

@@ -16,7 +16,7 @@ from fastgen.model.quant import (GGUF_KINDS, QuantEmbedding, QuantRows, QuantWei
                                  reference_matmul)
 
 from .ragged import ragged_logits
-from .test_parity import TINY, _tiny_configs
+from .test_parity import TINY, _tiny_configs, random_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -274,15 +274,7 @@ def test_tiny_model_quantized_at_load_matches_transformers_with_the_same_weights
     """int8/int4 of an HF checkpoint: the reference is transformers with every linear weight
     (and the tied embedding) replaced by its quantized-dequantized value. Decodes take the
     quantized GEMV, chunks the quantized GEMM: both must give the reference's logits."""
-    from transformers import AutoModelForCausalLM
-
-    hf_config = _tiny_configs()["llama-tied-llama3-rope"]
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ref.save_pretrained(tmp_path)
+    ref = random_checkpoint(_tiny_configs()["llama-tied-llama3-rope"], tmp_path)
     bits = 8 if mode == "int8" else 4
     with torch.no_grad():
         for name, p in ref.named_parameters():

@@ -10,7 +10,7 @@ from fastgen.model.loader import load_hf_config, load_model
 from fastgen.model.stack import NativeStack
 
 from .ragged import ragged_logits
-from .test_parity import TINY, _tiny_configs
+from .test_parity import TINY, _tiny_configs, random_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,14 +20,7 @@ def _built():
 
 
 def _checkpoint(name: str, tmp_path) -> str:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_tiny_configs()[name], dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ref.save_pretrained(tmp_path)
+    random_checkpoint(_tiny_configs()[name], tmp_path)
     return str(tmp_path)
 
 

@@ -1706,14 +1706,16 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   // bf16 x, 4-bit weights, whole pairs of groups: the bf16 dot products (qrows4_bf16)
   const bool bf16_dot = kHaveBf16Dot && std::is_same<T, at::BFloat16>::value && kind == 4 && !vnni &&
                         groups % 2 == 0 && qgemv_bf16_enabled();
-  // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel
-  // takes x's group sums (for the minima)
-  std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(m * groups, 0.f);
+  // int8 x against 4-bit rows: the quads kernel (qrows4_a8), qgemm_a8's sums; 8-bit rows: qrow_vnni
+  const bool a8_quads = vnni && kind == 4 && kHaveA8Quads;
+  // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel but
+  // the int8 quads (which sum the rounded x, dsum) takes x's group sums (for the minima)
+  std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(a8_quads ? 0 : m * groups, 0.f);
   for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = load(x, i);
   // x's group sums (the minima's factor), 32 values at a time in two vectors (a chain of 32
   // scalar adds a group before: a 2-row product at k = 576 2.42-2.49 -> 2.23-2.30 us a call, at
   // k = 1,536 3.04-3.12 -> 2.53-2.58 us; ~30 us of a SmolLM2 decode step)
-  for (int64_t r = 0; r < m; ++r) group_sums(x + r * k, groups, xsum.data() + r * groups);
+  for (int64_t r = 0; !a8_quads && r < m; ++r) group_sums(x + r * k, groups, xsum.data() + r * groups);
   std::vector<uint16_t> xp(bf16_dot ? m * k : 0);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same<T, at::BFloat16>::value) {
@@ -1724,8 +1726,6 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     }
   }
 #endif
-  // int8 x against 4-bit rows: the quads kernel (qrows4_a8), qgemm_a8's sums; 8-bit rows: qrow_vnni
-  const bool a8_quads = vnni && kind == 4 && kHaveA8Quads;
   std::vector<int8_t> xq(vnni ? m * (k + 64) : 0);
   std::vector<float> dx(vnni ? m * groups : 0), dsum(a8_quads ? m * groups : 0);
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)

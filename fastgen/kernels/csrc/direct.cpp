@@ -8,6 +8,7 @@
 // pybind11. A batch-1 decode step of SmolLM2 makes ~270 such calls.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -20,7 +21,6 @@ c10::TypedOperatorHandle<Sig> handle(const char* name) {
 using T = at::Tensor;
 using OptT = c10::optional<at::Tensor>;
 
-using RmsNorm = T(const T&, const T&, double);
 using AddRmsNorm = void(T&, T&, const T&, double);
 using SiluMul = T(const T&);
 using RopeWriteKv = std::vector<T>(const T&, const T&, const T&, const T&, const T&, T&, T&, int64_t, int64_t,
@@ -42,9 +42,9 @@ struct Product {
 
 struct StackLayer {
   Product qkv, o, gate_up, down;
-  T post_norm, next_norm;
+  T post_norm, next_norm, cos, sin;   // cos, sin: the layer's RoPE table
   double post_eps = 0, next_eps = 0, scale = 1;
-  int64_t layer = 0, heads = 0, kv_heads = 0, head_dim = 0, rope = 0, window = 0;
+  int64_t layer = 0, heads = 0, kv_heads = 0, head_dim = 0, window = 0;
 };
 
 // A Llama-family decoder stack run for few rows (decode steps) without Python between its ops:
@@ -62,23 +62,22 @@ class LayerStack {
         gemv_(handle<Gemv>("fastgen::gemv")),
         qgemv_(handle<Qgemv>("fastgen::qgemv")) {}
 
-  void add_layer(StackLayer l) { layers_.push_back(std::move(l)); }
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  void add_layer(StackLayer l) {
+    max_layer_ = std::max(max_layer_, l.layer);
+    layers_.push_back(std::move(l));
+  }
 
   // x: the first layer's input norm of `residual` ([T, hidden]); updates `residual` in place and
-  // returns the last layer's `next_norm` of it. cos/sin: the RoPE tables (a layer reads its
-  // `rope`); k_pools/v_pools: the KV pool's tensors by layer; the rest is the step's PagedPlan.
-  T run(T x, T residual, const T& positions, const std::vector<T>& cos, const std::vector<T>& sin, const T& slots,
-        std::vector<T> k_pools, std::vector<T> v_pools, const T& q_starts, const T& start_pos,
-        const T& block_tables) {
+  // returns the last layer's `next_norm` of it. k_pools/v_pools: the KV pool's tensors by layer;
+  // the rest is the step's PagedPlan.
+  T run(T x, T residual, const T& positions, const T& slots, std::vector<T> k_pools, std::vector<T> v_pools,
+        const T& q_starts, const T& start_pos, const T& block_tables) {
+    TORCH_CHECK(max_layer_ < static_cast<int64_t>(std::min(k_pools.size(), v_pools.size())),
+                "LayerStack: no KV pool tensor for layer ", max_layer_);
     const int64_t rows = x.size(0);
     for (const StackLayer& l : layers_) {
-      TORCH_CHECK(l.layer < static_cast<int64_t>(k_pools.size()) && l.layer < static_cast<int64_t>(v_pools.size()),
-                  "LayerStack: no KV pool tensor for layer ", l.layer);
-      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()) && l.rope < static_cast<int64_t>(sin.size()),
-                  "LayerStack: no RoPE table ", l.rope);
       T qkv = product(l.qkv, x);
-      std::vector<T> qk = rope_write_kv_.call(qkv, positions, cos[l.rope], sin[l.rope], slots, k_pools[l.layer],
+      std::vector<T> qk = rope_write_kv_.call(qkv, positions, l.cos, l.sin, slots, k_pools[l.layer],
                                               v_pools[l.layer], l.heads, l.kv_heads, l.head_dim);
       T o = paged_attention_.call(qk[0].contiguous(), k_pools[l.layer], v_pools[l.layer], q_starts, start_pos,
                                   block_tables, l.scale, l.window);
@@ -99,6 +98,7 @@ class LayerStack {
   }
 
   std::vector<StackLayer> layers_;
+  int64_t max_layer_ = -1;
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm_;
   c10::TypedOperatorHandle<SiluMul> silu_mul_;
   c10::TypedOperatorHandle<RopeWriteKv> rope_write_kv_;
@@ -142,12 +142,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("add_layer",
            [](LayerStack& s, const Product& qkv, const Product& o, const Product& gate_up, const Product& down,
-              T post_norm, double post_eps, T next_norm, double next_eps, int64_t layer, int64_t heads,
-              int64_t kv_heads, int64_t head_dim, int64_t rope, double scale, int64_t window) {
-             s.add_layer(StackLayer{qkv, o, gate_up, down, std::move(post_norm), std::move(next_norm), post_eps,
-                                    next_eps, scale, layer, heads, kv_heads, head_dim, rope, window});
+              T post_norm, double post_eps, T next_norm, double next_eps, T cos, T sin, int64_t layer,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t window) {
+             s.add_layer(StackLayer{qkv, o, gate_up, down, std::move(post_norm), std::move(next_norm), std::move(cos),
+                                    std::move(sin), post_eps, next_eps, scale, layer, heads, kv_heads, head_dim,
+                                    window});
            })
-      .def("__len__", &LayerStack::size)
       .def("run", &LayerStack::run, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", [](const T& x, const T& w, double eps) { return rms_norm.call(x, w, eps); });
   m.def("add_rms_norm_", [](T x, T residual, const T& w, double eps) { add_rms_norm_.call(x, residual, w, eps); });
