@@ -246,14 +246,17 @@ class QuantWeight:
         #   4-bit rows take qrows4_a8 (qgemm_a8's sums, two vpdpbusd per 64 weight bytes): on the
         #   Zen 4 host SmolLM2's 120 layer products from memory with fp32 x took 0.78x the time of
         #   the earlier int8 kernel (three fresh pairs); with bf16 x 0.986x the bf16 dot products'
-        #   time (60 alternating rounds), too little for int8's error, so bf16 rows keep those.
+        #   time (60 alternating rounds), too little for int8's error then. Its second version
+        #   (12-02: vector tails, the minima summed 16 groups a vector, prefetches into L2) took
+        #   0.87x the bf16 dot products' time over those products (37 of 40 rounds) and 0.91x
+        #   over whole decode steps (15 of 20 bursts), so bf16 decode rows take it too.
         # Decode rows then differ from prompt rows by the activations' rounding, so greedy parity
         # with the reference and seeded outputs that do not depend on the batch no longer hold
         # exactly (docs/architecture.md)
         self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni() and self._qgemm_a8 is not None)
-        bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot()
+        bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot() and not self.act_int8
         self.max_qgemv_rows_bf16 = self.MAX_QGEMV_ROWS_BF16 if bf16_dot else self.max_qgemv_rows
-        self._decode_a8_bf16 = self.act_int8 and not bf16_dot   # bf16 decode rows in int8
+        self._decode_a8_bf16 = self.act_int8   # bf16 decode rows in int8 too
 
     def decode_plan(self, dtype: torch.dtype) -> tuple[int, bool]:
         """``(rows, act_int8)`` for x of ``dtype``: up to ``rows`` rows take qgemv, with this

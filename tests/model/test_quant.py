@@ -218,10 +218,10 @@ def test_the_fused_activation_equals_silu_mul_of_the_product(dtype, int8_activat
     assert with_bias.matmul_silu_mul(x) is None
 
 
-def test_int8_activations_take_prompt_rows_and_leave_bf16_decode_rows_exact():
-    """With int8 activations a product of MIN_A8_ROWS rows or more takes qgemm_a8; bf16 decode
-    rows keep qgemv's exact bf16 dot products where the CPU has them (faster there), so they are
-    bit for bit what they are without the option."""
+def test_int8_activations_take_prompt_rows_and_bf16_decode_rows():
+    """With int8 activations a product of MIN_A8_ROWS rows or more takes qgemm_a8, and bf16
+    decode rows take qgemv's int8 kernel (qrows4_a8, faster than the bf16 dot products); without
+    the option decode rows stay exact."""
     _skip_without_vnni()
     g = torch.Generator().manual_seed(9)
     q = quantize(torch.randn(96, 576, generator=g), 4)
@@ -233,8 +233,10 @@ def test_int8_activations_take_prompt_rows_and_leave_bf16_decode_rows_exact():
     few = rows[:QuantWeight.MIN_A8_ROWS - 1]   # below the threshold: qgemm, as without the option
     assert torch.equal(a8.matmul(few), plain.matmul(few))
     decode = rows[:1]
-    same = torch.equal(a8.matmul(decode), plain.matmul(decode))
-    assert same == bool(torch.ops.fastgen.have_bf16_dot())
+    assert a8.decode_plan(torch.bfloat16)[1] and not plain.decode_plan(torch.bfloat16)[1]
+    assert torch.equal(a8.matmul(decode), torch.ops.fastgen.qgemv(decode, qq.qweight, qq.scales, qq.mins, 4, True))
+    assert torch.equal(plain.matmul(decode), torch.ops.fastgen.qgemv(decode, qq.qweight, qq.scales, qq.mins, 4, False))
+    assert not torch.equal(a8.matmul(decode), plain.matmul(decode))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

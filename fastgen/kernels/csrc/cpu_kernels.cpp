@@ -21,6 +21,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -1609,75 +1610,110 @@ inline void quantize_x_quads(const float* xr, int64_t k, int8_t* xq, float* dx, 
 // conversion and one FMA by the lanes' s * dx; against qrows4_bf16's four vdpbf16ps and four
 // nibble-to-bf16 operations. Each (W row, x row) takes the same operations in the same order
 // whatever WN and RN are: a decode's output does not depend on its batch.
+// The sum of v's 16 lanes in one fixed order (halves, then quarters, then pairs), the same
+// whichever kernel shape produced v: a decode's total does not depend on its batch.
+inline float sum16(__m512 v) {
+  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 z = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  z = _mm_add_ps(z, _mm_movehl_ps(z, z));
+  return _mm_cvtss_f32(_mm_add_ss(z, _mm_shuffle_ps(z, z, 1)));
+}
+
 template <int WN, int RN>
 __attribute__((always_inline)) inline void qrows4_a8(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc,
                                                      const uint16_t* mn, const int8_t* const* xq,
                                                      const float* const* dx, const float* const* dsum,
                                                      int64_t groups, float* totals) {
+  // Per quad of groups and W row: the nibbles masked into two vectors of unsigned bytes, two
+  // vpdpbusd against x's two vectors (loaded once for all WN rows), one conversion, one FMA by
+  // the lanes' s * dx. The minima's terms, m . dsum, are summed after the quads 16 groups at a
+  // time, and a last pair or single group of the row in 256- or 128-bit lanes, into the same
+  // accumulator, reduced once (sum16): no scalar work a row but its store.
   __m512 acc[WN][RN];
-  __m128 accm[WN][RN];
+#pragma GCC unroll 4
   for (int w = 0; w < WN; ++w)
-    for (int r = 0; r < RN; ++r) acc[w][r] = _mm512_setzero_ps(), accm[w][r] = _mm_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) acc[w][r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i idx4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const int64_t quads = groups / 4, pair = (groups % 4) / 2, single = groups % 2;
   for (int64_t q = 0; q < quads; ++q) {
+    __m512i xa[RN], xb[RN];
+    __m128 dx4[RN];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) {
+      xa[r] = _mm512_loadu_si512(xq[r] + q * 128), xb[r] = _mm512_loadu_si512(xq[r] + q * 128 + 64);
+      dx4[r] = _mm_loadu_ps(dx[r] + 4 * q);
+    }
+#pragma GCC unroll 4
     for (int w = 0; w < WN; ++w) {
       const __m512i b = _mm512_loadu_si512(wr + w * row_bytes + q * 64);
       const __m512i lo = _mm512_and_si512(b, m4), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
       const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + w * groups + 4 * q)));
-      const __m128 m4v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + w * groups + 4 * q)));
+#pragma GCC unroll 4
       for (int r = 0; r < RN; ++r) {
-        const int8_t* xv = xq[r] + q * 128;
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xv));
-        d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xv + 64));
-        const __m512 scale = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(_mm_mul_ps(s4, _mm_loadu_ps(dx[r] + 4 * q))));
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa[r]), hi, xb[r]);
+        const __m512 scale = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(_mm_mul_ps(s4, dx4[r])));
         acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[w][r]);
-        accm[w][r] = _mm_fmadd_ps(m4v, _mm_loadu_ps(dsum[r] + 4 * q), accm[w][r]);
       }
     }
   }
-  for (int w = 0; w < WN; ++w) {
-    const uint8_t* row = wr + w * row_bytes;
-    for (int r = 0; r < RN; ++r) {
-      float tail = 0.f;
-      int64_t g = quads * 4, at = quads * 128;
-      if (pair) {   // two groups: 32 weight bytes, 8 lanes (4 a group)
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + quads * 64));
-        const __m256i m4h = _mm256_set1_epi8(0x0F);
-        const __m256i lo = _mm256_and_si256(b, m4h), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4h);
+  int64_t g = quads * 4, at = quads * 128;
+  if (pair) {   // two groups: 32 weight bytes, 8 lanes (4 a group)
+    const __m256i m4h = _mm256_set1_epi8(0x0F);
+    const __m256i idx2 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + quads * 64));
+      const __m256i lo = _mm256_and_si256(b, m4h), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4h);
+      uint32_t sbits;   // two fp16
+      std::memcpy(&sbits, sc + w * groups + g, 4);
+      const __m128 s2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
         __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + at)));
         d = _mm256_dpbusd_epi32(d, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + at + 32)));
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), d);
-        for (int t = 0; t < 2; ++t) {
-          const int32_t dot = lanes[4 * t] + lanes[4 * t + 1] + lanes[4 * t + 2] + lanes[4 * t + 3];
-          tail += half_to_float(sc[w * groups + g + t]) * dx[r][g + t] * static_cast<float>(dot) +
-                  half_to_float(mn[w * groups + g + t]) * dsum[r][g + t];
-        }
-        g += 2, at += 64;
+        const __m128 sd = _mm_mul_ps(s2, _mm_maskz_loadu_ps(0x3, dx[r] + g));
+        const __m256 scale = _mm256_permutexvar_ps(idx2, _mm256_castps128_ps256(sd));
+        acc[w][r] = _mm512_add_ps(acc[w][r], _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(d), scale)));
       }
-      if (single) {  // one group: 16 weight bytes
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-        const __m128i m4x = _mm_set1_epi8(0x0F);
-        __m128i d = _mm_dpbusd_epi32(_mm_setzero_si128(), _mm_and_si128(b, m4x),
-                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at)));
-        d = _mm_dpbusd_epi32(d, _mm_and_si128(_mm_srli_epi16(b, 4), m4x),
-                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at + 16)));
-        alignas(16) int32_t lanes[4];
-        _mm_store_si128(reinterpret_cast<__m128i*>(lanes), d);
-        const int32_t dot = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-        tail += half_to_float(sc[w * groups + g]) * dx[r][g] * static_cast<float>(dot) +
-                half_to_float(mn[w * groups + g]) * dsum[r][g];
+    }
+    g += 2, at += 64;
+  }
+  if (single) {  // one group: 16 weight bytes, 4 lanes
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + w * row_bytes + g * 16));
+      const __m128i lo = _mm_and_si128(b, m4x), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4x);
+      const float s1 = half_to_float(sc[w * groups + g]);
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        __m128i d = _mm_dpbusd_epi32(_mm_setzero_si128(), lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at)));
+        d = _mm_dpbusd_epi32(d, hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at + 16)));
+        const __m128 t = _mm_mul_ps(_mm_cvtepi32_ps(d), _mm_set1_ps(s1 * dx[r][g]));
+        acc[w][r] = _mm512_add_ps(acc[w][r], _mm512_zextps128_ps512(t));
       }
-      const __m128 m = accm[w][r];
-      const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
-      const float mins_total = _mm_cvtss_f32(_mm_add_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
-      totals[w * RN + r] = _mm512_reduce_add_ps(acc[w][r]) + mins_total + tail;
     }
   }
+  // the minima: sum_g m[g] * dsum[g], 16 groups a vector
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w) {
+    __m512 accm[RN];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) accm[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const __mmask16 mask = groups - g0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g0)) - 1);
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mn + w * groups + g0));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) accm[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, dsum[r] + g0), accm[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) totals[w * RN + r] = sum16(_mm512_add_ps(acc[w][r], accm[r]));
+  }
 }
+
 constexpr bool kHaveA8Quads = true;
 #else
 constexpr bool kHaveA8Quads = false;
@@ -1694,6 +1730,30 @@ inline void group_sums(const T* x, int64_t groups, float* out) {
     for (int64_t i = 0; i < 32; ++i) t += load(x, g * 32 + i);
     out[g] = t;
 #endif
+  }
+}
+
+std::atomic<const NextRows*> g_next_rows{nullptr};
+
+// The start of this thread's share of `next` (at::parallel_for's split over `threads` threads,
+// grain 64, as qgemv_impl's): the first 4 KiB of its rows, and their scales and minima, into
+// L2. The kernels' own prefetches run kPrefetchBytes ahead within a share, so without this
+// every share of every product began with demand misses (SmolLM2's decode step: 120 products,
+// 360 short streams a step).
+inline void prefetch_share(const NextRows* next, int64_t tid, int64_t threads) {
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, (next->n + 63) / 64));
+  if (tid >= tasks) return;
+  const int64_t chunk = (next->n + tasks - 1) / tasks, r0 = tid * chunk;
+  const int64_t rows = std::min(chunk, next->n - r0);
+  if (rows <= 0) return;
+  const char* w = reinterpret_cast<const char*>(next->qw + r0 * next->row_bytes);
+  const int64_t wb = std::min<int64_t>(kPrefetchBytes, rows * next->row_bytes);
+  for (int64_t off = 0; off < wb; off += 64) __builtin_prefetch(w + off, 0, 2);   // prefetcht1: into L2
+  const int64_t sb = std::min<int64_t>(kPrefetchBytes / 4, rows * next->groups * 2);
+  for (const uint16_t* a : {next->scales, next->mins}) {
+    if (a == nullptr) continue;
+    const char* p = reinterpret_cast<const char*>(a + r0 * next->groups);
+    for (int64_t off = 0; off < sb; off += 64) __builtin_prefetch(p + off, 0, 2);
   }
 }
 
@@ -1737,7 +1797,12 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   for (int64_t r = 0; vnni && !a8_quads && r < m; ++r)
     quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups);
 #endif
+  const NextRows* next = g_next_rows.exchange(nullptr, std::memory_order_relaxed);
+  static const bool next_on = [] { const char* v = std::getenv("FASTGEN_NEXT_ROWS_PREFETCH"); return !(v && v[0] == '0'); }();
+  const bool pf_next = next != nullptr && next_on;
+  const int64_t threads = at::get_num_threads();
   at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx, &dsum, &xp](int64_t n0, int64_t n1) {
+    if (pf_next) prefetch_share(next, at::get_thread_num(), threads);
     // this row's scales and minima in fp32 (16 per instruction from their fp16), for the row
     // kernels that take them so (the bf16 dot products and the int8 quads widen them in registers)
     const bool fp16_rows = bf16_dot || a8_quads;
@@ -1749,12 +1814,12 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     if (a8_quads) {
       const int8_t* xqs[4];
       const float *dxs[4], *dss[4];
-      if (m == 1) {   // one decode: two W rows at a time, as the bf16 dot products
+      if (m == 1) {   // one decode: two W rows at a time (x's loads shared by them)
         constexpr int WN = 2;
         xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
         for (; o + WN <= n1; o += WN) {
           const uint8_t* wr = qw + o * row_bytes;
-          for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
+          for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
           float totals[WN];
           qrows4_a8<WN, 1>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs, dss, groups, totals);
           for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
@@ -1784,7 +1849,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
       constexpr int WN = 2;
       for (; o + WN <= n1; o += WN) {
         const uint8_t* wr = qw + o * row_bytes;
-        for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
+        for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
         float totals[WN];
         const uint16_t* x1 = xp.data();
         const float* xs1 = xsum.data();
@@ -1912,3 +1977,7 @@ TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("qgemv", &qgemv);
 }
+
+namespace fastgen_kernels {
+void set_next_rows(const NextRows* next) { g_next_rows.store(next, std::memory_order_relaxed); }
+}  // namespace fastgen_kernels

@@ -8,6 +8,8 @@
 // pybind11. A batch-1 decode step of SmolLM2 makes ~270 such calls.
 #include <torch/extension.h>
 
+#include "quant_rows.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -38,6 +40,7 @@ struct Product {
   T weight;
   OptT scales, mins, bias;
   bool act_int8 = false;
+  NextRows rows;   // kind 4 / 8: what qgemv prefetches the start of while the product before runs
 };
 
 struct StackLayer {
@@ -75,15 +78,18 @@ class LayerStack {
     TORCH_CHECK(max_layer_ < static_cast<int64_t>(std::min(k_pools.size(), v_pools.size())),
                 "LayerStack: no KV pool tensor for layer ", max_layer_);
     const int64_t rows = x.size(0);
-    for (const StackLayer& l : layers_) {
-      T qkv = product(l.qkv, x);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& l = layers_[i];
+      const StackLayer* nl = i + 1 < layers_.size() ? &layers_[i + 1] : nullptr;
+      T qkv = product(l.qkv, x, &l.o);
       std::vector<T> qk = rope_write_kv_.call(qkv, positions, l.cos, l.sin, slots, k_pools[l.layer],
                                               v_pools[l.layer], l.heads, l.kv_heads, l.head_dim);
       T o = paged_attention_.call(qk[0].contiguous(), k_pools[l.layer], v_pools[l.layer], q_starts, start_pos,
                                   block_tables, l.scale, l.window);
-      T a = product(l.o, o.reshape({rows, -1}));
+      T a = product(l.o, o.reshape({rows, -1}), &l.gate_up);
       add_rms_norm_.call(a, residual, l.post_norm, l.post_eps);
-      T m = product(l.down, silu_mul_.call(product(l.gate_up, a)));
+      T gu = product(l.gate_up, a, &l.down);
+      T m = product(l.down, silu_mul_.call(gu), nl != nullptr ? &nl->qkv : nullptr);
       add_rms_norm_.call(m, residual, l.next_norm, l.next_eps);
       x = m;
     }
@@ -91,8 +97,10 @@ class LayerStack {
   }
 
  private:
-  T product(const Product& p, const T& x) {
+  // `next`: the product that follows this one (its rows' start prefetched meanwhile), or nullptr
+  T product(const Product& p, const T& x, const Product* next) {
     if (p.kind == 0) return gemv_.call(x, p.weight, p.bias);
+    fastgen_kernels::set_next_rows(next != nullptr && next->kind != 0 ? &next->rows : nullptr);
     T y = qgemv_.call(x, p.weight, *p.scales, p.mins, p.kind, p.act_int8);
     return p.bias ? y + *p.bias : y;
   }
@@ -110,7 +118,17 @@ class LayerStack {
 Product make_product(int64_t kind, T weight, OptT scales, OptT mins, OptT bias, bool act_int8) {
   TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "LayerStack: product kind must be 0 (dense), 4 or 8, got ", kind);
   TORCH_CHECK(kind == 0 || scales.has_value(), "LayerStack: quantized rows need their scales");
-  return Product{kind, std::move(weight), std::move(scales), std::move(mins), std::move(bias), act_int8};
+  NextRows rows;
+  if (kind != 0) {
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
+                scales->is_contiguous() && scales->scalar_type() == at::kHalf && scales->dim() == 2,
+                "LayerStack: quantized rows must be contiguous [n, bytes] uint8 with [n, groups] fp16 scales");
+    rows.qw = weight.data_ptr<uint8_t>();
+    rows.scales = reinterpret_cast<const uint16_t*>(scales->data_ptr<at::Half>());
+    rows.mins = mins.has_value() && mins->defined() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+    rows.n = weight.size(0), rows.row_bytes = weight.size(1), rows.groups = scales->size(1);
+  }
+  return Product{kind, std::move(weight), std::move(scales), std::move(mins), std::move(bias), act_int8, rows};
 }
 
 }  // namespace

@@ -86,3 +86,16 @@ inline at::Tensor gemm_bias(const char* op, const c10::optional<at::Tensor>& bia
   TORCH_CHECK(!silu_mul || (n % 2 == 0 && !bf.defined()), op, ": silu_mul takes [gate; up] rows, no bias");
   return bf;
 }
+
+// The quantized rows a caller will multiply next (fastgen/kernels/csrc/direct.cpp's LayerStack
+// knows its products' order): qgemv's threads prefetch the start of their share of them into L2
+// while they work on this product's share (set_next_rows, consumed by the next qgemv call).
+struct NextRows {
+  const uint8_t* qw = nullptr;
+  const uint16_t* scales = nullptr;
+  const uint16_t* mins = nullptr;
+  int64_t n = 0, row_bytes = 0, groups = 0;
+};
+namespace fastgen_kernels {
+void set_next_rows(const NextRows* next);   // cpu_kernels.cpp; nullptr: none known
+}
