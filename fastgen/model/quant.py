@@ -240,16 +240,17 @@ class QuantWeight:
         # float32 is asked for by name), where they pay:
         # - prompt rows (MIN_A8_ROWS or more): qgemm_a8, products 1.1-1.35x qgemm's rate, a
         #   2,048-token prefill 1.03-1.17x faster, prompt perplexity +0.4%;
-        # - decode rows only where qgemv has no bf16 dot products (fp32 activations, 8-bit rows,
-        #   CPUs without AVX512-BF16): there 13% faster decode steps, perplexity +1.3%; in bf16
-        #   against the bf16 dot products their decode steps ran 0.85x as fast, so those stay.
+        # - decode rows: first only where qgemv had no bf16 dot products (fp32 activations, 8-bit
+        #   rows, CPUs without AVX512-BF16): there 13% faster decode steps, perplexity +1.3%; in
+        #   bf16 against the bf16 dot products their decode steps ran 0.85x as fast then.
         #   4-bit rows take qrows4_a8 (qgemm_a8's sums, two vpdpbusd per 64 weight bytes): on the
         #   Zen 4 host SmolLM2's 120 layer products from memory with fp32 x took 0.78x the time of
         #   the earlier int8 kernel (three fresh pairs); with bf16 x 0.986x the bf16 dot products'
         #   time (60 alternating rounds), too little for int8's error then. Its second version
         #   (12-02: vector tails, the minima summed 16 groups a vector, prefetches into L2) took
-        #   0.87x the bf16 dot products' time over those products (37 of 40 rounds) and 0.91x
-        #   over whole decode steps (15 of 20 bursts), so bf16 decode rows take it too.
+        #   0.87x the bf16 dot products' time over those products (37 of 40 rounds) and 0.954x
+        #   over whole decode steps (19 of 20 bursts), decode-path perplexity in bf16 +0.19%
+        #   (50.424 -> 50.541), so bf16 decode rows take it too.
         # Decode rows then differ from prompt rows by the activations' rounding, so greedy parity
         # with the reference and seeded outputs that do not depend on the batch no longer hold
         # exactly (docs/architecture.md)
