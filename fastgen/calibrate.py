@@ -14,7 +14,9 @@ for the whole step: the budget *is* the inter-token latency. So the budget is me
    latency (``target_itl_ms``), but never below the floor.
 
 The curve and the choice are cached per host (CPU flags, threads, torch), model file,
-dtype and kernels in fastgen's cache folder, so a warm start does not measure again.
+dtype and kernels in fastgen's cache folder, so a warm start does not measure again. A curve cut
+short by :data:`MAX_MEASURE_S` (a slow host, or one busy with other work) serves that start only
+and is not cached.
 """
 from __future__ import annotations
 
@@ -124,19 +126,28 @@ def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: 
     key = _host_key(model_path, shape["dtype"], kernels, num_threads, shape["block_size"], shape["device"],
                     tensor_parallel_size, precision)
     path: Path = cache_dir() / "budget" / f"{key}.json"
+    sizes = [n for n in LADDER if n <= max_tokens]
     curve: list[tuple[int, float]] | None = None
     cached = False
     try:
         curve = [tuple(p) for p in json.loads(path.read_text())["curve"]]
-        cached = True
+        cached = len(curve) == len(sizes)       # a partial curve cached by an earlier version: measure again
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    if curve is None:
+    if not cached:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(LADDER), desc="calibrating token budget", unit="size", leave=False)
         curve = measure_curve(model, progress=lambda n: bar.update(1), max_tokens=max_tokens, **shape)
         bar.close()
+    # a curve cut short by MAX_MEASURE_S (a slow host, or one busy with other work while this
+    # measured: seen here, a machine compiling beside it measured 11.5 s for 16 tokens) is used
+    # for this start only, not cached: the next start measures again
+    whole = len(curve) == len(sizes)
+    if not cached and not whole:
+        log.warning("budget calibration not cached: the curve stopped at %d tokens; the next start measures "
+                    "again", curve[-1][0])
+    if not cached and whole:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
