@@ -100,6 +100,10 @@ class LayerStack {
   // `next`: the product that follows this one (its rows' start prefetched meanwhile), or nullptr
   T product(const Product& p, const T& x, const Product* next) {
     if (p.kind == 0) return gemv_.call(x, p.weight, p.bias);
+    // the hint lives for this call only (qgemv takes it at entry; cleared however the call ends)
+    struct Clear {
+      ~Clear() { fastgen_kernels::set_next_rows(nullptr); }
+    } clear;
     fastgen_kernels::set_next_rows(next != nullptr && next->kind != 0 ? &next->rows : nullptr);
     T y = qgemv_.call(x, p.weight, *p.scales, p.mins, p.kind, p.act_int8);
     return p.bias ? y + *p.bias : y;
