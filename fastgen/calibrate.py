@@ -137,17 +137,16 @@ def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: 
     if not cached:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(LADDER), desc="calibrating token budget", unit="size", leave=False)
+        bar = tqdm(total=len(sizes), desc="calibrating token budget", unit="size", leave=False)
         curve = measure_curve(model, progress=lambda n: bar.update(1), max_tokens=max_tokens, **shape)
         bar.close()
     # a curve cut short by MAX_MEASURE_S (a slow host, or one busy with other work while this
     # measured: seen here, a machine compiling beside it measured 11.5 s for 16 tokens) is used
     # for this start only, not cached: the next start measures again
-    whole = len(curve) == len(sizes)
-    if not cached and not whole:
+    if not cached and len(curve) < len(sizes):
         log.warning("budget calibration not cached: the curve stopped at %d tokens; the next start measures "
                     "again", curve[-1][0])
-    if not cached and whole:
+    elif not cached:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")

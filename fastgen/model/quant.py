@@ -257,13 +257,12 @@ class QuantWeight:
         self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni() and self._qgemm_a8 is not None)
         bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot() and not self.act_int8
         self.max_qgemv_rows_bf16 = self.MAX_QGEMV_ROWS_BF16 if bf16_dot else self.max_qgemv_rows
-        self._decode_a8_bf16 = self.act_int8   # bf16 decode rows in int8 too
 
     def decode_plan(self, dtype: torch.dtype) -> tuple[int, bool]:
         """``(rows, act_int8)`` for x of ``dtype``: up to ``rows`` rows take qgemv, with this
         int8-activation flag (what :meth:`matmul` passes it; fastgen/model/stack.py reads it too)."""
         if dtype == torch.bfloat16:
-            return self.max_qgemv_rows_bf16, self._decode_a8_bf16
+            return self.max_qgemv_rows_bf16, self.act_int8
         return self.max_qgemv_rows, self.act_int8
 
     def _decode_rows(self, x: torch.Tensor) -> bool:

@@ -1602,14 +1602,6 @@ inline void quantize_x_quads(const float* xr, int64_t k, int8_t* xq, float* dx, 
   }
 }
 
-// int8 x (quantize_x_quads) against 4-bit W rows with vpdpbusd: WN consecutive W rows (row_bytes
-// apart, their fp16 scales and minima `groups` apart) against RN rows of x, totals [WN][RN] of
-//   sum_g  s[g] dx[g] * dot(q, xq)  +  m[g] * dsum[g],
-// qgemm_a8's sum for prompt rows, dot(q, xq) exact in int32. Per 64 weight bytes (four groups):
-// the nibbles masked into two vectors of unsigned bytes, two vpdpbusd (4 lanes a group), one
-// conversion and one FMA by the lanes' s * dx; against qrows4_bf16's four vdpbf16ps and four
-// nibble-to-bf16 operations. Each (W row, x row) takes the same operations in the same order
-// whatever WN and RN are: a decode's output does not depend on its batch.
 // The sum of v's 16 lanes in one fixed order (halves, then quarters, then pairs), the same
 // whichever kernel shape produced v: a decode's total does not depend on its batch.
 inline float sum16(__m512 v) {
@@ -1619,6 +1611,14 @@ inline float sum16(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(z, _mm_shuffle_ps(z, z, 1)));
 }
 
+// int8 x (quantize_x_quads) against 4-bit W rows with vpdpbusd: WN consecutive W rows (row_bytes
+// apart, their fp16 scales and minima `groups` apart) against RN rows of x, totals [WN][RN] of
+//   sum_g  s[g] dx[g] * dot(q, xq)  +  m[g] * dsum[g],
+// qgemm_a8's sum for prompt rows, dot(q, xq) exact in int32. Per 64 weight bytes (four groups):
+// the nibbles masked into two vectors of unsigned bytes, two vpdpbusd (4 lanes a group), one
+// conversion and one FMA by the lanes' s * dx; against qrows4_bf16's four vdpbf16ps and four
+// nibble-to-bf16 operations. Each (W row, x row) takes the same operations in the same order
+// whatever WN and RN are: a decode's output does not depend on its batch.
 template <int WN, int RN>
 __attribute__((always_inline)) inline void qrows4_a8(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc,
                                                      const uint16_t* mn, const int8_t* const* xq,
@@ -1800,7 +1800,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   const NextRows* next = g_next_rows.exchange(nullptr, std::memory_order_relaxed);
   static const bool next_on = [] { const char* v = std::getenv("FASTGEN_NEXT_ROWS_PREFETCH"); return !(v && v[0] == '0'); }();
   const bool pf_next = next != nullptr && next_on;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = pf_next ? at::get_num_threads() : 1;
   at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx, &dsum, &xp](int64_t n0, int64_t n1) {
     if (pf_next) prefetch_share(next, at::get_thread_num(), threads);
     // this row's scales and minima in fp32 (16 per instruction from their fp16), for the row

@@ -123,14 +123,11 @@ Product make_product(int64_t kind, T weight, OptT scales, OptT mins, OptT bias, 
   TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "LayerStack: product kind must be 0 (dense), 4 or 8, got ", kind);
   TORCH_CHECK(kind == 0 || scales.has_value(), "LayerStack: quantized rows need their scales");
   NextRows rows;
-  if (kind != 0) {
-    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
-                scales->is_contiguous() && scales->scalar_type() == at::kHalf && scales->dim() == 2,
-                "LayerStack: quantized rows must be contiguous [n, bytes] uint8 with [n, groups] fp16 scales");
-    rows.qw = weight.data_ptr<uint8_t>();
-    rows.scales = reinterpret_cast<const uint16_t*>(scales->data_ptr<at::Half>());
-    rows.mins = mins.has_value() && mins->defined() ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
-    rows.n = weight.size(0), rows.row_bytes = weight.size(1), rows.groups = scales->size(1);
+  if (kind != 0) {   // qgemv's own checks of the rows (quant_rows.h), which give their pointers
+    TORCH_CHECK(weight.dim() == 2, "LayerStack: quantized rows must be [n, bytes]");
+    const int64_t k = kind == 4 ? 2 * weight.size(1) : weight.size(1);
+    const QuantRowsPtrs p = check_quant_rows("LayerStack", weight, *scales, mins, kind, k);
+    rows = NextRows{weight.data_ptr<uint8_t>(), p.scales, p.mins, weight.size(0), weight.size(1), k / 32};
   }
   return Product{kind, std::move(weight), std::move(scales), std::move(mins), std::move(bias), act_int8, rows};
 }
