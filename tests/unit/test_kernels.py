@@ -204,6 +204,36 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     assert not (build_dir / "lock").exists()
 
 
+def test_a_first_build_shows_its_progress_by_the_files_it_writes(tmp_path, capsys):
+    """The bar of a first build counts the object files and the library written since it began;
+    files an earlier build left do not count, and a failed build still ends the bar's thread."""
+    import os
+    import time
+
+    from fastgen.kernels import SOURCES, BuildProgress
+
+    since = time.time() - 1.0
+    progress = BuildProgress(tmp_path, "ext")
+    assert progress.steps_done(since) == 0
+    old = tmp_path / f"{SOURCES[0].stem}.o"
+    old.write_bytes(b"")
+    os.utime(old, (since - 100, since - 100))     # left by an earlier build
+    assert progress.steps_done(since) == 0
+    (tmp_path / f"{SOURCES[1].stem}.o").write_bytes(b"")
+    assert progress.steps_done(since) == 1
+    (tmp_path / "ext.so").write_bytes(b"")
+    assert progress.steps_done(since) == 2
+    (tmp_path / "unrelated.o").write_bytes(b"")
+    assert progress.steps_done(since) == 2
+
+    with pytest.raises(RuntimeError, match="build failed"):
+        with BuildProgress(tmp_path, "ext") as bar:
+            time.sleep(0.6)
+            raise RuntimeError("build failed")
+    assert bar._thread is not None and not bar._thread.is_alive()
+    assert "building native CPU kernels" in capsys.readouterr().err
+
+
 def test_direct_calls_equal_the_registered_ops_and_keep_the_dispatchers_checks():
     """fastgen.kernels.direct() (what the model's hot paths call) runs the same kernels as
     torch.ops.fastgen, bit for bit, and still goes through the dispatcher: a tensor on a device
