@@ -124,6 +124,35 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
 
 // ---------------------------------------------------------------------------------------
 // silu(gate) * up for gate_up = [T, 2I] (gate first) -> [T, I]
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// the first n <= 16 values of T as fp32 (the rest zero), and 16 fp32 rounded as store() and
+// round_to<T> round them (bf16: bf16_bits' integer steps, so denormals and NaNs come out alike)
+template <typename T>
+inline __m512 load16_as_float(const T* p, __mmask16 n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(n, p);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(n, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+inline __m512i bf16_bits16(__m512 v) {   // bf16_bits on 16 lanes, in the low halves of the words
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+template <typename T>
+inline __m512 round16_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+template <typename T>
+inline void store16(T* p, __m512 v, __mmask16 n) {
+  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p, n, v);
+  else _mm256_mask_storeu_epi16(p, n, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+#endif
+
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   // scalars captured by value: a by-reference capture is reloaded after every store (it
@@ -133,6 +162,21 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      // 16 lanes at a time, the last ones masked, with the ops of the fused gate/up tiles
+      // (silu_mul_tile, gemm_tile.h; bf16 rounded by bf16_bits' integer steps, which keep
+      // denormals): decode rows and prompt rows get the same SiLU, in fp32 too (the scalar loop
+      // differed from the tiles in fp32's last bit: GCC contracts its ops into other FMAs). It
+      // had stayed scalar in bf16: a decode row of SmolLM2 (1,536 values) 3.77 -> 1.82 us a call
+      // on the 2-core Zen 4 host, the same bf16 values bit for bit (750k values checked).
+      const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+      for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 n = inter - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (inter - i)) - 1);
+        const __m512 gv = load16_as_float(g + i, n);
+        const __m512 sv = round16_to<T>(_mm512_div_ps(gv, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(zero, gv)))));
+        store16(o + i, _mm512_mul_ps(sv, load16_as_float(u + i, n)), n);
+      }
+#else
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float gv = load(g, i);
@@ -140,6 +184,7 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
         const float s = round_to<T>(gv / (1.f + fast_exp(-gv)));
         store(o, i, s * load(u, i));
       }
+#endif
     }
   });
 }
