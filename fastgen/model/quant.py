@@ -221,6 +221,12 @@ class QuantWeight:
     # 1.63 / 3.92 ms for 6 rows, 4.00 / 5.18 for 8, 5.14 / 3.65 for 12: qgemm's dequantizing
     # costs more per weight for bytes than for nibbles (no table lookup)
     MAX_QGEMV_ROWS_8BIT = 8
+    # 4-bit rows with int8 activations (qrows4_a8, VNNI): SmolLM2's 120 layer products, two
+    # threads, from memory, on the 2-core Zen 4 host (12-02, bf16 x), qgemv / qgemm / qgemm_a8:
+    # 11.5 / 21.8 / 26.8 ms for 6 rows, 15.1 / 25.5 / 27.8 for 8, 21.1 / 25.1 / 28.1 for 12,
+    # 27.7 / 24.7 / 27.4 for 16: the many-row kernels unpack every weight whatever the rows, so
+    # qgemv keeps the decode batches up to 12 (6 before: 7-12 rows then took qgemm)
+    MAX_QGEMV_ROWS_A8 = 12
     # rows from which int8 activations take qgemm_a8 (VNNI, x in int8 per group of 32) rather
     # than qgemm: SmolLM2's layer shapes, two threads, rate against qgemm's 0.88-0.92x at 16
     # rows, 0.71-1.10x at 64, 1.16-1.35x at 256, 1.08-1.18x at 512 (docs/architecture.md)
@@ -255,6 +261,8 @@ class QuantWeight:
         # with the reference and seeded outputs that do not depend on the batch no longer hold
         # exactly (docs/architecture.md)
         self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni() and self._qgemm_a8 is not None)
+        if self.act_int8 and quant.kind == 4:
+            self.max_qgemv_rows = self.MAX_QGEMV_ROWS_A8
         bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot() and not self.act_int8
         self.max_qgemv_rows_bf16 = self.MAX_QGEMV_ROWS_BF16 if bf16_dot else self.max_qgemv_rows
 

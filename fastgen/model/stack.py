@@ -13,7 +13,7 @@ every layer a plain :class:`~fastgen.model.llama.DecoderLayer` (no q/k norms, Si
 a :class:`~fastgen.model.layers.GemvDenseWeight` or :class:`~fastgen.model.quant.QuantWeight`
 (a tensor-parallel shard, say, is not), fastgen's native ops and paged attention, and no more
 rows than each product sends through its one-row kernel (GEMV / qgemv): decode steps of up to
-6-8 sequences. Other steps, and other models, run the closures. ``FASTGEN_LAYER_STACK=0`` turns
+6-12 sequences. Other steps, and other models, run the closures. ``FASTGEN_LAYER_STACK=0`` turns
 it off (A/B measurements).
 """
 from __future__ import annotations

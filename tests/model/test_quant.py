@@ -114,6 +114,26 @@ def test_decode_rows_take_the_gemv_and_do_not_depend_on_their_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_decode_batches_up_to_twelve_rows_take_the_gemv_row_by_row(dtype):
+    """With int8 activations 4-bit rows keep qgemv (qrows4_a8) up to 12 rows, since the many-row
+    kernels unpack every weight whatever the rows: a decode batch of up to 12 gives each row bit
+    for bit as computed alone, and the native stack takes such batches."""
+    _skip_without_vnni()
+    g = torch.Generator().manual_seed(12)
+    fmt = QuantWeight(quantize(torch.randn(80, 576, generator=g), 4), None, int8_activations=True)
+    assert fmt.decode_plan(dtype) == (12, True)
+    x = torch.randn(14, 576, generator=g).to(dtype)
+    alone = torch.cat([fmt.matmul(x[i:i + 1]) for i in range(14)])
+    for rows in (7, 12):
+        assert torch.equal(fmt.matmul(x[:rows]), alone[:rows])
+    # 13 rows on: qgemm, multiplying by the weights rounded to x's dtype, unrounded x
+    past = fmt.matmul(x).float()
+    assert (past - alone.float()).norm() / alone.float().norm() < 2e-2
+    eight_bit = QuantWeight(quantize(torch.randn(80, 576, generator=g), 8), None, int8_activations=True)
+    assert eight_bit.decode_plan(dtype)[0] == QuantWeight.MAX_QGEMV_ROWS_8BIT
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,n", [(7, 12), (16, 40), (17, 70), (33, 36), (100, 25)])  # blocks of 16/32, panels of 12
 @pytest.mark.parametrize("k", [32, 576, 1536])
@@ -197,7 +217,7 @@ def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8_activations", [False, True])
-@pytest.mark.parametrize("rows,inter,k", [(9, 1536, 576), (130, 20, 64), (300, 36, 96)])  # 20, 36: a short last panel pair
+@pytest.mark.parametrize("rows,inter,k", [(13, 1536, 576), (130, 20, 64), (300, 36, 96)])  # 20, 36: a short last panel pair
 def test_the_fused_activation_equals_silu_mul_of_the_product(dtype, int8_activations, rows, inter, k):
     """A gate/up format applies silu(gate) * up as it stores its tiles: bit for bit what silu_mul
     of the stored product gives (the same roundings, the same vector ops in fp32 and bf16), so a
