@@ -160,11 +160,14 @@ def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: 
     return choice
 
 
-def calibrate_engine_budget(model: torch.nn.Module, model_config, config, target_itl_ms: float) -> BudgetChoice:
-    """:func:`calibrate_budget` for a loaded model and its resolved ``EngineConfig``."""
+def calibrate_engine_budget(model: torch.nn.Module, model_config, config, target_itl_ms: float,
+                            kernel_choice: str = "") -> BudgetChoice:
+    """:func:`calibrate_budget` for a loaded model and its resolved ``EngineConfig``;
+    ``kernel_choice``: what else decides which kernels the curve runs through (the measured row
+    limits, fastgen/row_limits.py), part of the cache key."""
     return calibrate_budget(
         model, model_path=config.model_path, target_itl_ms=target_itl_ms, kernels=config.kernels,
         num_threads=config.num_threads, max_tokens=config.max_model_len, model_config=model_config,
         tensor_parallel_size=config.tensor_parallel_size, num_kv_heads=local_kv_heads(model, model_config),
-        precision=f"{config.quantization}|a8={config.int8_activations}",
+        precision=f"{config.quantization}|a8={config.int8_activations}{kernel_choice}",
         block_size=config.cache.block_size, dtype=config.dtype, device=config.device)

@@ -29,6 +29,7 @@ import torch
 from .batch import SeqInput, build_batch
 from .cache import BlockAllocator, KVPool, root_hash
 from .calibrate import BudgetChoice, calibrate_engine_budget
+from .row_limits import RowLimits, calibrate_row_limits
 from .config import EngineConfig, EngineOptions, resolve_engine_config
 from .errors import InvalidRequestError, PromptTooLongError, RankFailedError
 from .generation_defaults import read_generation_defaults
@@ -99,6 +100,7 @@ class Engine:
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, list(self.eos_token_ids))
         self.budget_choice: BudgetChoice | None = None   # set when budget_tokens="auto" was measured
+        self.row_limits: RowLimits | None = None         # set when the kernels' row limits were measured
         self.events = EventLog()          # per-step records and request lifecycle events (telemetry.py)
         self.generation_defaults = None   # GenerationDefaults of the model's files, set by from_pretrained
 
@@ -129,9 +131,13 @@ class Engine:
                              max_positions=config.max_model_len, hf_config=hf_config, kernels=config.kernels,
                              quantization=config.quantization, int8_activations=config.int8_activations)
         try:
+            # which kernel takes how many rows, measured for this host (before the budget's curve,
+            # which runs through them)
+            row_limits = calibrate_row_limits(net, config) if config.tensor_parallel_size == 1 else None
             budget = None
             if opts.budget_tokens == "auto":
-                budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms)
+                budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms,
+                                                 "" if row_limits is None else row_limits.key)
                 config = dataclasses.replace(
                     config, scheduler=dataclasses.replace(config.scheduler, budget_tokens=budget.budget_tokens))
             engine = cls(config, net, load_tokenizer(path), model_config)
@@ -141,6 +147,7 @@ class Engine:
                 close()
             raise
         engine.budget_choice = budget
+        engine.row_limits = row_limits
         engine.generation_defaults = read_generation_defaults(path)
         return engine
 

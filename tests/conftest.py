@@ -7,6 +7,9 @@ import pytest
 import torch
 
 torch.set_num_threads(len(os.sched_getaffinity(0)))
+# the kernels' fixed row limits, whatever this host measures (fastgen/row_limits.py): which
+# kernel takes a product stays the same on every host; tests/unit/test_row_limits.py measures
+os.environ.setdefault("FASTGEN_ROW_LIMITS", "fixed")
 
 
 @pytest.fixture(scope="session")

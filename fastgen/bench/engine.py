@@ -83,6 +83,7 @@ class RunMeta:
     quantization: str
     resident_weight_bytes: int
     calibrated_budget: dict[str, Any] | None
+    row_limits: dict[str, Any] | None = None      # fastgen/row_limits.py, where measured
     busy_cpus_before: float | None = None
     busy_cpus_after: float | None = None
 
@@ -136,7 +137,8 @@ def run_meta(args: argparse.Namespace, engine: Engine, sizes: Sizes, costs: Mode
         model_costs=costs, time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), isa=host_isa(), kernels=cfg.kernels,
         quantization=cfg.quantization,
         resident_weight_bytes=weight_bytes(engine.model),   # every weight once, the embedding included
-        calibrated_budget=None if engine.budget_choice is None else asdict(engine.budget_choice))
+        calibrated_budget=None if engine.budget_choice is None else asdict(engine.budget_choice),
+        row_limits=None if engine.row_limits is None else asdict(engine.row_limits))
 
 
 def run(args: argparse.Namespace) -> EngineBenchResults:
@@ -147,7 +149,8 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
                                     max_seqs=max(sizes.decode_batches), quantization=args.quantization,
                                     kernels=args.kernels)
     engine.budget_choice = calibrate_engine_budget(engine.model, engine.model_config, engine.config,
-                                                   args.target_itl_ms or DEFAULT_TARGET_ITL_MS)
+                                                   args.target_itl_ms or DEFAULT_TARGET_ITL_MS,
+                                                   "" if engine.row_limits is None else engine.row_limits.key)
     torch.set_num_threads(engine.config.num_threads)
     sampling = SamplingParams(max_new_tokens=sizes.num_decode_steps + 8, do_sample=args.do_sample,
                               ignore_eos=True)
@@ -159,6 +162,8 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
           f"{' (--quick)' if args.quick else ''}")
     if engine.budget_choice is not None:
         print(f"   calibrated {engine.budget_choice.describe()}")
+    if engine.row_limits is not None:
+        print(f"   measured {engine.row_limits.describe()}")
     warn_if_busy(busy_before, "before the run")
 
     machine = measure_machine(engine, costs, sizes)

@@ -261,6 +261,8 @@ class QuantWeight:
         # with the reference and seeded outputs that do not depend on the batch no longer hold
         # exactly (docs/architecture.md)
         self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni() and self._qgemm_a8 is not None)
+        # the fixed row limits; an engine measures its host's (fastgen/row_limits.py)
+        self.min_a8_rows = self.MIN_A8_ROWS
         if self.act_int8 and quant.kind == 4:
             self.max_qgemv_rows = self.MAX_QGEMV_ROWS_A8
         bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot() and not self.act_int8
@@ -278,9 +280,9 @@ class QuantWeight:
         return x.shape[0] <= self.decode_plan(x.dtype)[0]
 
     def _many_rows(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
-        """qgemm_a8 from MIN_A8_ROWS rows with int8 activations, else qgemm."""
+        """qgemm_a8 from ``min_a8_rows`` rows with int8 activations, else qgemm."""
         q = self.quant
-        gemm = self._qgemm_a8 if self.act_int8 and x.shape[0] >= self.MIN_A8_ROWS else self._qgemm
+        gemm = self._qgemm_a8 if self.act_int8 and x.shape[0] >= self.min_a8_rows else self._qgemm
         return gemm(x, q.qweight, q.scales, q.mins, q.kind, bias, silu_mul)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,212 @@
+"""The row limits of the quantized kernels, measured for this host and model at start-up.
+
+A :class:`~fastgen.model.quant.QuantWeight` with int8 activations sends a product to one of three
+kernels by its number of rows: ``qgemv`` (each weight streamed once, every row summed alone) up
+to ``max_qgemv_rows``, ``qgemm`` (the weights dequantized a panel at a time, the rows multiplied
+in tiles) above that, and ``qgemm_a8`` (the same tiles in int8 through VNNI) from
+``min_a8_rows``. Where one kernel overtakes another depends on the host: on the Zen 5 host
+``qgemm_a8`` lost to ``qgemm`` at 16 rows and was level at 64; on the Zen 4 host qgemv won up to
+12-14 rows, where the exact kernels' limit had been 6. So, as for the token budget
+(fastgen/calibrate.py), the engine measures them once per host and model:
+
+1. ``qgemm`` against ``qgemm_a8`` over the model's own 4-bit layer products, two threads, from
+   memory (all of them each pass, as a prompt chunk reads them), at the rows of
+   :data:`A8_LADDER`; ``min_a8_rows`` is the smallest of them from which ``qgemm_a8`` is the faster
+   at every larger one (none: ``qgemm`` throughout);
+2. then ``qgemv`` against the many-row path those rows would take, at the rows of
+   :data:`QGEMV_LADDER`; ``max_qgemv_rows`` is the largest of them up to which ``qgemv`` is the
+   faster at every one.
+
+Each point is the median of :data:`NUM_REPEATS` passes, the two kernels alternating. The points
+and the choice are cached in fastgen's cache folder with the budget's key (CPU flags, threads,
+torch, model file, dtype, precision), so a warm start measures nothing. Measuring stops after
+:data:`MAX_MEASURE_S`; the formats then keep their fixed limits and nothing is cached.
+``FASTGEN_ROW_LIMITS=fixed`` keeps the fixed limits (the class constants) without measuring.
+The limits change which kernel runs, never what a kernel computes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .calibrate import _host_key
+from .config import cache_dir
+from .model.quant import QuantWeight
+
+log = logging.getLogger(__name__)
+
+ENV = "FASTGEN_ROW_LIMITS"          # "auto" (default) | "fixed"
+QGEMV_LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24)
+A8_LADDER = (16, 32, 64, 128, 256)
+NUM_REPEATS = 3
+MAX_MEASURE_S = 20.0
+NEVER = 1 << 30                     # min_a8_rows where qgemm_a8 never wins
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    max_qgemv_rows: int
+    min_a8_rows: int
+    qgemv_points: tuple[tuple[int, float, float], ...]   # (rows, qgemv ms, many-row path ms)
+    a8_points: tuple[tuple[int, float, float], ...]      # (rows, qgemm_a8 ms, qgemm ms)
+    cached: bool = False
+
+    @property
+    def key(self) -> str:
+        """The choice, as the budget's cache key takes it (its curve runs through these kernels)."""
+        return f"|rows<={self.max_qgemv_rows},a8>={self.min_a8_rows}"
+
+    def describe(self) -> str:
+        a8 = "never" if self.min_a8_rows >= NEVER else str(self.min_a8_rows)
+        gv = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.qgemv_points)
+        q8 = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.a8_points)
+        return (f"row limits: qgemv up to {self.max_qgemv_rows} rows, qgemm_a8 from {a8} (ms qgemv/other {gv}; "
+                f"ms qgemm_a8/qgemm {q8}{'; cached' if self.cached else ''})")
+
+
+def choose_limits(qgemv_points, a8_points) -> tuple[int, int]:
+    """``(max_qgemv_rows, min_a8_rows)`` from the measured points (see the module)."""
+    min_a8 = NEVER
+    for n, a8, plain in sorted(a8_points, reverse=True):
+        if a8 > plain:
+            break
+        min_a8 = n
+    max_qgemv = 1
+    for n, gemv, other in sorted(qgemv_points):
+        if gemv > other:
+            break
+        max_qgemv = n
+    return max_qgemv, min_a8
+
+
+def a8_formats(model: torch.nn.Module) -> list[QuantWeight]:
+    """The model's 4-bit layer formats with int8 activations, in model order (the output head
+    and 8-bit rows keep their fixed limits)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    return [m.format for m in layers.modules()
+            if type(getattr(m, "format", None)) is QuantWeight and m.format.act_int8 and m.format.quant.kind == 4]
+
+
+def _timer(formats: list[QuantWeight], dtype: torch.dtype) -> Callable[[int, Callable], float]:
+    xs: dict[tuple[int, int], torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(0)
+
+    def one_pass(rows: int, kernel: Callable) -> float:
+        t0 = time.perf_counter()
+        for f in formats:
+            q = f.quant
+            k = q.qweight.shape[1] * 2
+            x = xs.get((rows, k))
+            if x is None:
+                x = xs[(rows, k)] = torch.randn(rows, k, generator=gen).to(dtype)
+            kernel(f, x)
+        return (time.perf_counter() - t0) * 1e3
+    return one_pass
+
+
+def _qgemv(f: QuantWeight, x: torch.Tensor) -> None:
+    q = f.quant
+    f._qgemv(x, q.qweight, q.scales, q.mins, q.kind, True)
+
+
+def _qgemm(f: QuantWeight, x: torch.Tensor) -> None:
+    q = f.quant
+    f._qgemm(x, q.qweight, q.scales, q.mins, q.kind, None, False)
+
+
+def _qgemm_a8(f: QuantWeight, x: torch.Tensor) -> None:
+    q = f.quant
+    f._qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, None, False)
+
+
+def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Callable[[], None] | None = None,
+                   max_s: float = MAX_MEASURE_S):
+    """``(qgemv_points, a8_points)``, or None when measuring ran past ``max_s``."""
+    one_pass = _timer(formats, dtype)
+    start = time.perf_counter()
+
+    def compare(rows: int, first: Callable, second: Callable) -> tuple[int, float, float]:
+        one_pass(rows, first), one_pass(rows, second)        # warm-up: buffers, first touch
+        a, b = [], []
+        for _ in range(NUM_REPEATS):
+            a.append(one_pass(rows, first))
+            b.append(one_pass(rows, second))
+        if progress is not None:
+            progress()
+        return rows, statistics.median(a), statistics.median(b)
+
+    a8_points = []
+    for n in A8_LADDER:
+        a8_points.append(compare(n, _qgemm_a8, _qgemm))
+        if time.perf_counter() - start > max_s:
+            return None
+    _, min_a8 = choose_limits([], a8_points)
+    qgemv_points = []
+    for n in QGEMV_LADDER:
+        qgemv_points.append(compare(n, _qgemv, _qgemm_a8 if n >= min_a8 else _qgemm))
+        if time.perf_counter() - start > max_s:
+            return None
+        if qgemv_points[-1][1] > qgemv_points[-1][2]:   # qgemv lost: the limit is found
+            break
+    return tuple(qgemv_points), tuple(a8_points)
+
+
+def apply_limits(model: torch.nn.Module, formats: list[QuantWeight], max_qgemv_rows: int, min_a8_rows: int) -> None:
+    for f in formats:
+        f.max_qgemv_rows = f.max_qgemv_rows_bf16 = max_qgemv_rows
+        f.min_a8_rows = min_a8_rows
+    model.__dict__["_stack"] = None        # the native stack's row limit follows (built again)
+
+
+def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
+    """Measure (or read from the cache) and apply the row limits of ``model``'s int8 formats;
+    None where it has none, or where ``FASTGEN_ROW_LIMITS=fixed``."""
+    if os.environ.get(ENV, "auto") == "fixed":
+        return None
+    if os.environ.get(ENV, "auto") != "auto":
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected auto or fixed")
+    formats = a8_formats(model)
+    if not formats or config.device.type != "cpu":
+        return None
+    key = _host_key(config.model_path, config.dtype, config.kernels, config.num_threads, config.cache.block_size,
+                    config.device, config.tensor_parallel_size,
+                    f"{config.quantization}|a8={config.int8_activations}|rows{QGEMV_LADDER}{A8_LADDER}")
+    path: Path = cache_dir() / "row-limits" / f"{key}.json"
+    points, cached = None, False
+    try:
+        data = json.loads(path.read_text())
+        points = (tuple(tuple(p) for p in data["qgemv"]), tuple(tuple(p) for p in data["a8"]))
+        cached = True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if points is None:
+        from tqdm.auto import tqdm
+
+        with torch.inference_mode(), tqdm(total=len(A8_LADDER) + len(QGEMV_LADDER), desc="measuring kernel row limits",
+                                          unit="size", leave=False) as bar:
+            points = measure_points(formats, config.dtype, progress=lambda: bar.update(1))
+        if points is None:
+            log.warning("kernel row limits not measured (past %.0f s): the fixed limits serve", MAX_MEASURE_S)
+            return None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"qgemv": points[0], "a8": points[1]}))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("could not cache the kernel row limits (%s)", e)
+    max_qgemv, min_a8 = choose_limits(*points)
+    apply_limits(model, formats, max_qgemv, min_a8)
+    limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached)
+    log.info("%s", limits.describe())
+    return limits

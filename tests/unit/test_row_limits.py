@@ -1,0 +1,88 @@
+"""The kernels' row limits measured per host (fastgen/row_limits.py): the choice from the points,
+an engine that measures, applies and caches them, and the limits deciding the kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen import kernels
+from fastgen.model.quant import QuantWeight
+from fastgen.row_limits import NEVER, a8_formats, apply_limits, choose_limits
+
+
+def _vnni_or_skip() -> None:
+    if not kernels.load():
+        pytest.fail("fastgen's native kernels did not build on this host")
+    if not torch.ops.fastgen.have_vnni():
+        pytest.skip("int8 activations need AVX512-VNNI")
+
+
+@pytest.mark.parametrize("qgemv,a8,want", [
+    # (rows, qgemv ms, other ms), (rows, qgemm_a8 ms, qgemm ms) -> (max_qgemv_rows, min_a8_rows)
+    ([(2, 1, 5), (4, 2, 5), (8, 4, 5), (12, 6, 5)], [(16, 9, 8), (32, 9, 10), (64, 9, 10)], (8, 32)),
+    ([(2, 6, 5)], [(16, 9, 10), (32, 9, 10)], (1, 16)),                # qgemv never wins: one row only
+    ([(2, 1, 5), (4, 2, 5)], [(16, 9, 8), (32, 11, 10)], (4, NEVER)),  # qgemm_a8 never wins
+    # a win below a loss does not count: the limits hold for every row count on their side
+    ([(2, 1, 5), (4, 6, 5), (6, 1, 5)], [(16, 9, 10), (32, 11, 10), (64, 9, 10)], (2, 64)),
+])
+def test_the_limits_are_where_one_kernel_stays_ahead(qgemv, a8, want):
+    assert choose_limits(qgemv, a8) == want
+
+
+def test_the_limits_decide_which_kernel_takes_a_product():
+    _vnni_or_skip()
+    g = torch.Generator().manual_seed(7)
+    from fastgen.model.quant import quantize
+
+    fmt = QuantWeight(quantize(torch.randn(48, 128, generator=g), 4), None, int8_activations=True)
+    calls = []
+    for name in ("_qgemv", "_qgemm", "_qgemm_a8"):
+        real = getattr(fmt, name)
+        setattr(fmt, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+
+    class Holder(torch.nn.Module):
+        pass
+
+    apply_limits(Holder(), [fmt], 3, 16)
+    x = torch.randn(20, 128, generator=g).bfloat16()
+    for rows, kernel in ((3, "_qgemv"), (4, "_qgemm"), (15, "_qgemm"), (16, "_qgemm_a8"), (20, "_qgemm_a8")):
+        calls.clear()
+        fmt.matmul(x[:rows])
+        assert calls == [kernel], rows
+    assert fmt.decode_plan(torch.bfloat16) == (3, True) and fmt.decode_plan(torch.float32) == (3, True)
+
+
+def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path, monkeypatch):
+    """A real engine on a tiny int4 model with int8 activations measures the limits at start-up,
+    sets them on every 4-bit layer format (the native stack follows), and a second start reads them
+    from the cache; ``FASTGEN_ROW_LIMITS=fixed`` measures nothing and keeps the constants."""
+    _vnni_or_skip()
+    from fastgen.engine import Engine
+
+    from ..tiny_model import make_tiny_model
+
+    make_tiny_model(str(tmp_path / "ckpt"))
+    monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTGEN_ROW_LIMITS", "auto")
+    opts = dict(quantization="int4", dtype="bfloat16", kernels="native", budget_tokens=64, num_threads=2)
+    engine = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts)
+    limits = engine.row_limits
+    assert limits is not None and not limits.cached
+    assert [n for n, _, _ in limits.a8_points] == [16, 32, 64, 128, 256]
+    assert limits.qgemv_points and limits.qgemv_points[0][0] == 2
+    assert (limits.max_qgemv_rows, limits.min_a8_rows) == choose_limits(limits.qgemv_points, limits.a8_points)
+    formats = a8_formats(engine.model)
+    assert formats and all(f.max_qgemv_rows == limits.max_qgemv_rows and f.min_a8_rows == limits.min_a8_rows
+                           for f in formats)
+    stack = engine.model._native_stack()
+    assert stack is not None and stack.max_rows == limits.max_qgemv_rows
+    assert list((tmp_path / "cache" / "row-limits").glob("*.json"))
+
+    again = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts).row_limits
+    assert again.cached and again.a8_points == limits.a8_points and again.qgemv_points == limits.qgemv_points
+
+    monkeypatch.setenv("FASTGEN_ROW_LIMITS", "fixed")
+    fixed = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts)
+    assert fixed.row_limits is None
+    assert all(f.max_qgemv_rows == QuantWeight.MAX_QGEMV_ROWS_A8 and f.min_a8_rows == QuantWeight.MIN_A8_ROWS
+               for f in a8_formats(fixed.model))
