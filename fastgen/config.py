@@ -277,6 +277,17 @@ def resolve_quantization(quantization: str, kernels: str) -> str:
     return "none"
 
 
+def wants_native_kernels(kernels: str, device: str | torch.device | None) -> bool:
+    """Whether :func:`resolve_kernels` would try fastgen's CPU kernels for these options (before the
+    dtype is known): what a first start may build early (fastgen.kernels.load_in_background)."""
+    if kernels == "auto":
+        kernels = os.environ.get("FASTGEN_KERNELS", "auto")
+    try:
+        return kernels in ("auto", "native") and resolve_device(device).type == "cpu"
+    except Exception:   # a bad device: resolve_engine_config names the problem
+        return False
+
+
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
     """``auto`` -> "native" where fastgen's CPU kernels cover the device and dtype and build
     on this host (once; see fastgen.kernels), else "torch". "native" where they cannot run

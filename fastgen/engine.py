@@ -29,14 +29,15 @@ import torch
 from .batch import SeqInput, build_batch
 from .cache import BlockAllocator, KVPool, root_hash
 from .calibrate import BudgetChoice, calibrate_engine_budget
-from .row_limits import RowLimits, calibrate_row_limits
-from .config import EngineConfig, EngineOptions, resolve_engine_config
+from .config import EngineConfig, EngineOptions, resolve_engine_config, wants_native_kernels
 from .errors import InvalidRequestError, PromptTooLongError, RankFailedError
 from .generation_defaults import read_generation_defaults
+from .kernels import load_in_background as load_kernels_in_background
 from .model.llama import ModelConfig
 from .model.spec import local_kv_heads
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
+from .row_limits import RowLimits, calibrate_row_limits
 from .sampling import SamplingRow, sample
 from .scheduler import StepPlan, make_scheduler
 from .structured import GrammarCompiler
@@ -117,6 +118,8 @@ class Engine:
         """Load ``model`` (a HF folder or .gguf file; None = the embedded SmolLM2) and build an engine."""
         opts = EngineOptions.from_kwargs(options)
         path = resolve_model_path(model)
+        if wants_native_kernels(opts.kernels, opts.device):
+            load_kernels_in_background()   # a first build overlaps the metadata's conversion
         hf_config = load_hf_config(path)
         model_config = ModelConfig.from_hf(hf_config)
         config = resolve_engine_config(path, opts, kv_elems_per_token=model_config.kv_elems_per_token,

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 ENV = "FASTGEN_ROW_LIMITS"          # "auto" (default) | "fixed"
 QGEMV_LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24)
-A8_LADDER = (16, 32, 64, 128, 256)
+A8_LADDER = (16, 32, 64, 128)
 NUM_REPEATS = 3
 MAX_MEASURE_S = 20.0
 NEVER = 1 << 30                     # min_a8_rows where qgemm_a8 never wins

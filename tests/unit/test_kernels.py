@@ -204,6 +204,37 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     assert not (build_dir / "lock").exists()
 
 
+def test_a_build_started_in_the_background_is_the_one_a_later_load_waits_for(monkeypatch):
+    """Engine.from_pretrained starts the kernels' load on a thread before converting the model's
+    metadata; the load that needs them then waits for that build, and nothing builds twice."""
+    import threading
+    import time
+
+    calls, results = [], []
+    started, release = threading.Event(), threading.Event()
+
+    def held_build(verbose):
+        calls.append(threading.current_thread().name)
+        started.set()
+        release.wait(10)
+        return True
+
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_load", held_build)
+    kernels.load_in_background()
+    kernels.load_in_background()                     # a second start of it does nothing
+    assert started.wait(10)
+    waiter = threading.Thread(target=lambda: results.append(kernels.load()))
+    waiter.start()
+    time.sleep(0.3)
+    assert results == []                             # the build is in flight: load() waits for it
+    release.set()
+    waiter.join(10)
+    assert results == [True] and calls == ["fastgen-kernels-load"]
+    kernels.load_in_background()                     # loaded: nothing more starts
+    assert kernels.load() is True and calls == ["fastgen-kernels-load"]
+
+
 def test_a_first_build_shows_its_progress_by_the_files_it_writes(tmp_path, capsys):
     """The bar of a first build counts the object files and the library written since it began;
     files an earlier build left do not count, and a failed build still ends the bar's thread."""
