@@ -48,14 +48,14 @@ from ..engine import Engine
 from ..launcher import MARK_ENV
 from ..model.layers import weight_bytes
 from ..request import SamplingParams
-from .engine_report import (Goal, goals, plot_curve, print_curve, print_decode, print_goals, print_machine,
-                            print_overhead, print_prefill)
+from .engine_report import (Goal, goals, plot_curve, print_chunk, print_curve, print_decode, print_goals,
+                            print_machine, print_overhead, print_prefill)
 from .kernels import bench_attention, decode_step_breakdown, host_isa, old_vs_new_decode, print_kernels
 from .machine import (MachineLimits, ModelCosts, busy_cpus, cpu_name, measure_machine, model_costs, prompt_roofline,
                       warn_if_busy)
 from .overhead import HostOverhead, bench_overhead_parts, host_overhead
-from .prefill_decode import (DecodeBound, DecodeResult, ForwardCurve, PrefillResult, bench_decode,
-                             bench_forward_curve, bench_prefill, decode_bandwidth)
+from .prefill_decode import (ChunkResult, DecodeBound, DecodeResult, ForwardCurve, PrefillResult, bench_decode,
+                             bench_chunk, bench_forward_curve, bench_prefill, decode_bandwidth)
 from .timing import FULL, QUICK, Sizes
 
 __all__ = ["EngineBenchResults", "RunMeta", "busy_cpus", "cpu_name", "main", "run"]
@@ -104,6 +104,7 @@ class EngineBenchResults:
     decode_step_breakdown: dict[str, Any]
     old_vs_new_decode: dict[str, Any] | None
     goals: tuple[Goal, ...]
+    chunk: ChunkResult | None = None     # a 256-token chunk at position 1,792 (--quick: 64 at 192)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +181,11 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
               f"{int8.gflops:.1f}, attention at {meta.dtype}'s {matmul:.1f}")
     prefill = bench_prefill(engine, costs, sizes, roofline, rng)
     print_prefill(prefill)
+    chunk_tokens, chunk_start = (256, 1792) if not args.quick else (64, 192)
+    chunk_roofline = matmul if int8 is None else prompt_roofline(costs, chunk_tokens, int8.gflops, matmul,
+                                                                   start=chunk_start)
+    chunk = bench_chunk(engine, costs, sizes, chunk_roofline, rng, chunk_tokens, chunk_start)
+    print_chunk(chunk)
     decode = [bench_decode(engine, b, sizes, sampling, rng)
               for b in tqdm(sizes.decode_batches, desc="decode", leave=False, disable=None)]
     bound = decode_bandwidth(decode, machine, costs)
@@ -193,12 +199,12 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     old_new = None if args.quick else old_vs_new_decode(engine)
     print_kernels(attention, breakdown, old_new, matmul)
 
-    verdicts = tuple(goals(prefill, bound, overhead))
+    verdicts = tuple(goals(prefill, bound, overhead, chunk))
     print_goals(list(verdicts))
     busy_after = busy_cpus()
     warn_if_busy(busy_after, "after the run")
     return EngineBenchResults(replace(meta, busy_cpus_after=busy_after), machine, prefill, tuple(decode), bound,
-                              curve, overhead, attention, breakdown, old_new, verdicts)
+                              curve, overhead, attention, breakdown, old_new, verdicts, chunk)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,17 @@ class ModelCosts:
         return (2.0 * self.num_linear_params * t + 2.0 * self.num_head_params * num_logits
                 + 2.0 * self.num_attention_dims * t * (t + 1))
 
+    def chunk_attention_flops(self, num_tokens: int, start: int) -> float:
+        """Causal attention of ``num_tokens`` queries at positions ``start``.. (query t sees t + 1
+        keys): QK^T and PV, 2 FLOPs a multiply-add. From position 0: prefill_flops' last term."""
+        keys = num_tokens * start + num_tokens * (num_tokens + 1) / 2
+        return 4.0 * self.num_attention_dims * keys
+
+    def chunk_flops(self, num_tokens: int, start: int, num_logits: int = 1) -> float:
+        """A prompt chunk of ``num_tokens`` at position ``start`` (its keys before it cached)."""
+        return (2.0 * self.num_linear_params * num_tokens + 2.0 * self.num_head_params * num_logits
+                + self.chunk_attention_flops(num_tokens, start))
+
 
 def model_costs(engine) -> ModelCosts:
     mc = engine.model_config
@@ -115,14 +126,15 @@ def measure_int_mm(n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
     return _measure_product("int8 (_int_mm)", lambda: torch._int_mm(a, b), n, device, sizes)
 
 
-def prompt_roofline(costs: "ModelCosts", num_tokens: int, products_gflops: float, attention_gflops: float) -> float:
-    """The rate a prefill of ``num_tokens`` would run at if its products ran at
-    ``products_gflops`` and its attention at ``attention_gflops``: its FLOPs over the sum of the
-    two parts' times at those rates (the roofline when the two take different products)."""
-    t = num_tokens
-    attention = 2.0 * costs.num_attention_dims * t * (t + 1)
-    products = costs.prefill_flops(t) - attention
-    return costs.prefill_flops(t) / (products / products_gflops + attention / attention_gflops)
+def prompt_roofline(costs: "ModelCosts", num_tokens: int, products_gflops: float, attention_gflops: float,
+                    start: int = 0) -> float:
+    """The rate a prompt chunk of ``num_tokens`` at position ``start`` (0: a whole prefill) would
+    run at if its products ran at ``products_gflops`` and its attention at ``attention_gflops``:
+    its FLOPs over the sum of the two parts' times at those rates (the roofline when the two take
+    different products)."""
+    attention = costs.chunk_attention_flops(num_tokens, start)
+    total = costs.chunk_flops(num_tokens, start)
+    return total / ((total - attention) / products_gflops + attention / attention_gflops)
 
 
 def measure_read(num_bytes: int, dtype: torch.dtype, device: torch.device, sizes: Sizes,

@@ -9,6 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import torch
 from tqdm.auto import tqdm
 
 from ..batch import SeqInput, build_batch
@@ -85,6 +86,52 @@ def bench_prefill(engine, costs: ModelCosts, sizes: Sizes, matmul_gflops: float,
     return PrefillResult(num_tokens, budget, num_steps, num_tokens / med, num_tokens / fmed, flops / 1e9,
                          flops / med / 1e9, matmul_gflops, flops / med / 1e9 / matmul_gflops,
                          flops / fmed / 1e9 / matmul_gflops, Summary.of(step_s), Summary.of(forward_s))
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """One prompt chunk's forward at a later position (its earlier keys in the cache): the step
+    a long prompt takes under Dynamic SplitFuse, attention over the keys before it included."""
+    num_tokens: int
+    start: int
+    forward_ms: float                # median of the repeats
+    gflop: float
+    achieved_gflops: float
+    roofline_gflops: float
+    roofline_ratio: float
+    forward: Summary
+
+
+def bench_chunk(engine, costs: ModelCosts, sizes: Sizes, roofline_gflops: float, rng: random.Random,
+                num_tokens: int = 256, start: int = 1792) -> ChunkResult | None:
+    """The model forward of ``num_tokens`` prompt tokens at position ``start``, after one forward
+    of the first ``start`` (a private KV pool: the engine's blocks are left alone); None where the
+    model is shorter. The chunk writes the same cache slots each time, so it repeats exactly."""
+    if start + num_tokens > engine.config.max_model_len:
+        return None
+    bs, dev = engine.config.cache.block_size, engine.config.device
+    pool = engine.new_pool(math.ceil((start + num_tokens) / bs))
+    blocks = list(range(pool.num_blocks))
+    ids = random_prompt(rng, engine.model_config.vocab_size, start + num_tokens)
+    head = build_batch([SeqInput(ids[:start], 0, blocks, 1)], bs, dev)
+    chunk = build_batch([SeqInput(ids[start:], start, blocks, 1)], bs, dev)
+    times = []
+    with torch.inference_mode():
+        engine.model(head, pool)
+        deadline = time.perf_counter() + sizes.max_measure_s
+        for i in range(1 + sizes.num_repeats):
+            t0 = time.perf_counter()
+            engine.model(chunk, pool)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if i:
+                times.append(time.perf_counter() - t0)
+            if i and time.perf_counter() > deadline:
+                break
+    flops = costs.chunk_flops(num_tokens, start)
+    med = statistics.median(times)
+    return ChunkResult(num_tokens, start, med * 1e3, flops / 1e9, flops / med / 1e9, roofline_gflops,
+                       flops / med / 1e9 / roofline_gflops, Summary.of(times))
 
 
 # -- decode -------------------------------------------------------------------------------
