@@ -573,11 +573,6 @@ inline void pv_rows(const float* p, int64_t bs, const float* vf, int64_t from, i
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * DC + 16 * c, a[r][c]);
 }
 constexpr bool kHaveDecodeKernel = true;
-// FASTGEN_DECODE_KERNEL=0 sends decodes down the general path (A/B measurements); read once
-inline bool decode_kernel_enabled() {
-  static const bool on = [] { const char* v = std::getenv("FASTGEN_DECODE_KERNEL"); return !(v && v[0] == '0'); }();
-  return on;
-}
 #if defined(__AVX512BF16__)
 // the bf16 PV of decode rows: pairs of keys straight from the pool (two keys' values
 // interleaved per 128-bit lane by vpunpck{l,h}wd: no widened copy of V), probabilities as bf16
@@ -637,6 +632,11 @@ constexpr bool kDecodeBf16 = false;
 constexpr bool kDecodeBf16 = false;
 constexpr bool kHaveDecodeKernel = false;
 #endif
+// FASTGEN_DECODE_KERNEL=0 sends decodes down the general path (A/B measurements); read once
+inline bool decode_kernel_enabled() {
+  static const bool on = [] { const char* v = std::getenv("FASTGEN_DECODE_KERNEL"); return !(v && v[0] == '0'); }();
+  return on;
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // probabilities sc[0..n) as (n + 1) / 2 bf16 pairs, round to nearest even (the PV kernels'
