@@ -73,8 +73,11 @@ class PackedWeight:
 
     @staticmethod
     def supported(device: torch.device, dtype: torch.dtype) -> bool:
+        # oneDNN packs bf16 weights only where the CPU has AVX512-BW/VL/DQ or AVX-NE-CONVERT
+        # (an AVX2-only host raises "bf16 path needs the cpu support ...")
         return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

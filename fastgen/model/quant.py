@@ -260,7 +260,9 @@ class QuantWeight:
         # Decode rows then differ from prompt rows by the activations' rounding, so greedy parity
         # with the reference and seeded outputs that do not depend on the batch no longer hold
         # exactly (docs/architecture.md)
-        self.act_int8 = bool(int8_activations and torch.ops.fastgen.have_vnni() and self._qgemm_a8 is not None)
+        # (the kinds with int8 kernels in this build: 4 and 8 bits with AVX512-VNNI, 4 bits with AVX2)
+        self.act_int8 = bool(int8_activations and self._qgemm_a8 is not None
+                             and quant.kind in torch.ops.fastgen.a8_kinds())
         # the fixed row limits; an engine measures its host's (fastgen/row_limits.py)
         self.min_a8_rows = self.MIN_A8_ROWS
         if self.act_int8 and quant.kind == 4:

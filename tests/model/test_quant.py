@@ -118,7 +118,7 @@ def test_int8_decode_batches_up_to_twelve_rows_take_the_gemv_row_by_row(dtype):
     """With int8 activations 4-bit rows keep qgemv (qrows4_a8) up to 12 rows, since the many-row
     kernels unpack every weight whatever the rows: a decode batch of up to 12 gives each row bit
     for bit as computed alone, and the native stack takes such batches."""
-    _skip_without_vnni()
+    _skip_without_int8()
     g = torch.Generator().manual_seed(12)
     fmt = QuantWeight(quantize(torch.randn(80, 576, generator=g), 4), None, int8_activations=True)
     assert fmt.decode_plan(dtype) == (12, True)
@@ -163,10 +163,26 @@ def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
     return (g * (1 / step)).round().clamp(-127, 127).mul(step).view(t, k)
 
 
-def _skip_without_vnni() -> None:
-    """int8 activations need AVX512-VNNI (known once the kernels are loaded: at run time)."""
-    if not torch.ops.fastgen.have_vnni():
-        pytest.skip("int8 activations need AVX512-VNNI")
+def _skip_without_int8(bits: int = 4) -> None:
+    """int8 activations need their kernels for ``bits``-bit rows (known once the kernels are
+    loaded, at run time): 4 and 8 bits with AVX512-VNNI, 4 bits with AVX2 (vpmaddubsw)."""
+    if bits not in torch.ops.fastgen.a8_kinds():
+        pytest.skip(f"no int8-activation kernel for {bits}-bit rows on this CPU")
+
+
+def test_int8_activations_are_taken_by_the_kinds_this_build_has_kernels_for():
+    """A weight format asks for int8 activations only where its kind has them; where a kind has
+    none, qgemm_a8 refuses it by name rather than computing something else."""
+    g = torch.Generator().manual_seed(2)
+    kinds = torch.ops.fastgen.a8_kinds()
+    assert set(kinds) <= {4, 8}
+    for bits in (4, 8):
+        fmt = QuantWeight(quantize(torch.randn(16, 64, generator=g), bits), None, int8_activations=True)
+        assert fmt.act_int8 is (bits in kinds)
+        if bits not in kinds:
+            q = fmt.quant
+            with pytest.raises(RuntimeError, match="qgemm_a8"):
+                torch.ops.fastgen.qgemm_a8(torch.randn(4, 64), q.qweight, q.scales, q.mins, bits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -177,7 +193,7 @@ def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype
     (integer dot products, then the group's two scales and W's minimum): the reference is the
     rounded x times the dequantized W, in fp32. Shapes: blocks of 32 rows and a short last one,
     panels of 8 and a short last one, row chunks (600 x 1536: more than one)."""
-    _skip_without_vnni()
+    _skip_without_int8(bits)
     g = torch.Generator().manual_seed(bits * 1000 + rows + n)
     q = QuantWeight(quantize(torch.randn(n, k, generator=g), bits), None).quant
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -199,7 +215,7 @@ def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, k):
     """qgemv with int8 x against 4-bit rows (qrows4_a8) rounds x as qgemm_a8 does and sums the
     same terms: decode rows and prompt rows differ by the sums' order only, each a decode's
     output is the same in any batch, and the reference is x's rounding times the exact weights."""
-    _skip_without_vnni()
+    _skip_without_int8()
     g = torch.Generator().manual_seed(k)
     q = QuantWeight(quantize(torch.randn(75, k, generator=g), 4), None).quant
     x = torch.randn(7, k, generator=g).to(dtype)
@@ -223,7 +239,7 @@ def test_the_fused_activation_equals_silu_mul_of_the_product(dtype, int8_activat
     of the stored product gives (the same roundings, the same vector ops in fp32 and bf16), so a
     prompt's rows and a decode's get the same activations."""
     if int8_activations:
-        _skip_without_vnni()
+        _skip_without_int8()
     g = torch.Generator().manual_seed(rows + inter)
     fmt = QuantWeight(quantize(torch.randn(2 * inter, k, generator=g), 4), None, int8_activations)
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -240,7 +256,7 @@ def test_int8_activations_take_prompt_rows_and_bf16_decode_rows():
     """With int8 activations a product of MIN_A8_ROWS rows or more takes qgemm_a8, and bf16
     decode rows take qgemv's int8 kernel (qrows4_a8, faster than the bf16 dot products); without
     the option decode rows stay exact."""
-    _skip_without_vnni()
+    _skip_without_int8()
     g = torch.Generator().manual_seed(9)
     q = quantize(torch.randn(96, 576, generator=g), 4)
     plain, a8 = QuantWeight(q, None), QuantWeight(q, None, int8_activations=True)

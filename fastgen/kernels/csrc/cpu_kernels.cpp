@@ -16,7 +16,7 @@
 #include "fast_math.h"
 #include "quant_rows.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -467,6 +467,47 @@ constexpr bool kHaveBf16Blocked = true;
 #else
 constexpr bool kHaveBf16Blocked = false;
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 hosts: the same four-row blocks in 8-lane vectors, 16 keys (QK) or 16 values of d (PV) a
+// pass: eight FMA chains and eleven of the sixteen registers
+// sc[4][bs] = q[4][d] . kt[d][bs]   (bs % 32 == 0)
+inline void qk4(const float* q, int64_t d, const float* kt, int64_t bs, float* sc) {
+  for (int64_t jb = 0; jb < bs; jb += 16) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; ++i) {
+      const __m256 k0 = _mm256_loadu_ps(kt + i * bs + jb), k1 = _mm256_loadu_ps(kt + i * bs + jb + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(q + r * d + i);
+        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]), a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      _mm256_storeu_ps(sc + r * bs + jb, a[r][0]), _mm256_storeu_ps(sc + r * bs + jb + 8, a[r][1]);
+  }
+}
+
+// acc[4][d] += p[4][bs] . vf[n][d]   (d % 64 == 0)
+inline void pv4(const float* p, int64_t bs, int64_t n, const float* vf, int64_t d, float* acc) {
+  for (int64_t ib = 0; ib < d; ib += 16) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; ++r)
+      a[r][0] = _mm256_loadu_ps(acc + r * d + ib), a[r][1] = _mm256_loadu_ps(acc + r * d + ib + 8);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vf + j * d + ib), v1 = _mm256_loadu_ps(vf + j * d + ib + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 pv = _mm256_broadcast_ss(p + r * bs + j);
+        a[r][0] = _mm256_fmadd_ps(pv, v0, a[r][0]), a[r][1] = _mm256_fmadd_ps(pv, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      _mm256_storeu_ps(acc + r * d + ib, a[r][0]), _mm256_storeu_ps(acc + r * d + ib + 8, a[r][1]);
+  }
+}
+constexpr bool kHaveBlocked = true;
+constexpr bool kHaveBf16Blocked = false;
 #else
 inline void qk4(const float*, int64_t, const float*, int64_t, float*) {}
 inline void pv4(const float*, int64_t, int64_t, const float*, int64_t, float*) {}
@@ -1764,6 +1805,181 @@ constexpr bool kHaveA8Quads = true;
 constexpr bool kHaveA8Quads = false;
 #endif
 
+// AVX2 hosts without AVX-512 (e.g. Zen 3): no vpdpbusd, so u8 x s8 products go through
+// vpmaddubsw (pairs of products summed into 16-bit lanes; a nibble times |x| <= 127, two of
+// them and two such sums fit: 4 * 15 * 127 = 7,620) and vpmaddwd by ones (into 32-bit lanes).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline float hsum8(__m256 v) {
+  __m128 z = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  z = _mm_add_ps(z, _mm_movehl_ps(z, z));
+  return _mm_cvtss_f32(_mm_add_ss(z, _mm_shuffle_ps(z, z, 1)));
+}
+
+// int8 x for qrows4_a8_avx2, each group of 32 rounded as qgemm_a8 rounds it (dx = max|x| / 127,
+// round to nearest even of x * (1 / dx); dsum = dx * sum(xq)), laid out to meet a pair of
+// groups' 32 weight bytes as they load: per pair 64 bytes, [weights 0..15 of g, of g + 1 |
+// weights 16..31 of g, of g + 1]; a last single group as [0..15 | 16..31].
+inline void quantize_x_pairs_avx2(const float* xr, int64_t k, int8_t* xq, float* dx, float* dsum) {
+  const int64_t groups = k / 32, pairs = groups / 2;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xr + g * 32 + 8 * i);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 z = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    z = _mm_max_ps(z, _mm_movehl_ps(z, z));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(z, _mm_shuffle_ps(z, z, 1)));
+    const float d = amax > 0.f ? amax / 127.f : 1.f;
+    const __m256 inv = _mm256_set1_ps(1.f / d);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+    dx[g] = d;
+    dsum[g] = d * static_cast<float>(_mm_cvtsi128_si32(u));
+    // bytes in x's order: the packs interleave 4-value pieces of q[0..3]; one permute undoes it
+    const __m256i b = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+    int64_t lo, hi;   // where weights 0..15 and 16..31 of group g go
+    if (g < 2 * pairs)
+      lo = (g / 2) * 64 + (g % 2) * 16, hi = lo + 32;
+    else
+      lo = pairs * 64, hi = lo + 16;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + lo), _mm256_castsi256_si128(b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + hi), _mm256_extracti128_si256(b, 1));
+  }
+}
+
+// int8 x (quantize_x_pairs_avx2) against 4-bit W rows: WN consecutive W rows (row_bytes apart,
+// their fp16 scales and minima `groups` apart) against RN rows of x, totals [WN][RN] of
+//   sum_g  s[g] dx[g] * dot(q, xq)  +  m[g] * dsum[g]
+// (qgemm_a8's sum; dot(q, xq) exact in int32). Per pair of groups (32 weight bytes): the nibbles
+// masked into two vectors, two vpmaddubsw, one 16-bit add, one vpmaddwd (4 lanes a group), one
+// conversion and one FMA by the lanes' s * dx. Each (W row, x row) takes the same operations in
+// the same order whatever WN and RN are: a decode's output does not depend on its batch.
+template <int WN, int RN>
+__attribute__((always_inline)) inline void qrows4_a8_avx2(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc,
+                                                          const uint16_t* mn, const int8_t* const* xq,
+                                                          const float* const* dx, const float* const* dsum,
+                                                          int64_t groups, float* totals) {
+  __m256 acc[WN][RN];
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w)
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) acc[w][r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i idx2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const int64_t pairs = groups / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m256i xa[RN], xb[RN];
+    __m256 dx2[RN];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) {
+      xa[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64));
+      xb[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64 + 32));
+      dx2[r] = _mm256_permutevar8x32_ps(
+          _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx[r] + 2 * p)))), idx2);
+    }
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + p * 32));
+      const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+      uint32_t sbits;   // two fp16
+      std::memcpy(&sbits, sc + w * groups + 2 * p, 4);
+      const __m256 s2 = _mm256_permutevar8x32_ps(
+          _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)))), idx2);
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[r]), _mm256_maddubs_epi16(hi, xb[r]));
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones));
+        acc[w][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx2[r]), s2, acc[w][r]);
+      }
+    }
+  }
+  if (groups % 2) {   // a last single group: 16 weight bytes, 4 lanes
+    const int64_t g = groups - 1, at = pairs * 64;
+    const __m128i m4x = _mm_set1_epi8(0x0F), ones4 = _mm_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + w * row_bytes + g * 16));
+      const __m128i lo = _mm_and_si128(b, m4x), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4x);
+      const float s1 = half_to_float(sc[w * groups + g]);
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        const __m128i t = _mm_add_epi16(
+            _mm_maddubs_epi16(lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at))),
+            _mm_maddubs_epi16(hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[r] + at + 16))));
+        const __m128 d = _mm_mul_ps(_mm_cvtepi32_ps(_mm_madd_epi16(t, ones4)), _mm_set1_ps(dx[r][g]));
+        acc[w][r] = _mm256_fmadd_ps(_mm256_insertf128_ps(_mm256_setzero_ps(), d, 0), _mm256_set1_ps(s1), acc[w][r]);
+      }
+    }
+  }
+  // the minima: sum_g m[g] * dsum[g], 8 groups a vector, the rest one at a time
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w) {
+    __m256 accm[RN];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) accm[r] = _mm256_setzero_ps();
+    int64_t g0 = 0;
+    for (; g0 + 8 <= groups; g0 += 8) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + w * groups + g0)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) accm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(dsum[r] + g0), accm[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) {
+      float tail = 0.f;
+      for (int64_t g = g0; g < groups; ++g) tail += half_to_float(mn[w * groups + g]) * dsum[r][g];
+      totals[w * RN + r] = hsum8(_mm256_add_ps(acc[w][r], accm[r])) + tail;
+    }
+  }
+}
+
+// fp32 x against one quantized W row (kind 4 or 8), RN rows: the fp32 path of AVX2 hosts
+// (AVX-512 hosts take qrow)
+template <int RN>
+inline void qrow_avx2(const uint8_t* wr, const float* sc, const float* xf, int64_t k, int64_t groups, int kind,
+                      float* totals) {
+  __m256 acc[RN], acc2[RN];
+  for (int r = 0; r < RN; ++r) acc[r] = _mm256_setzero_ps(), acc2[r] = _mm256_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 wv[4];
+    if (kind == 4) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16));
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      wv[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      wv[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      wv[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      wv[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+      for (int i = 0; i < 4; ++i)
+        wv[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + g * 32 + 8 * i))));
+    }
+    const __m256 scale = _mm256_set1_ps(sc[g]);
+    for (int r = 0; r < RN; ++r) {
+      const float* xg = xf + r * k + g * 32;
+      __m256 part = _mm256_mul_ps(_mm256_loadu_ps(xg), wv[0]);
+      part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), wv[1], part);
+      part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), wv[2], part);
+      part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), wv[3], part);
+      if (g & 1)
+        acc2[r] = _mm256_fmadd_ps(part, scale, acc2[r]);
+      else
+        acc[r] = _mm256_fmadd_ps(part, scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < RN; ++r) totals[r] = hsum8(_mm256_add_ps(acc[r], acc2[r]));
+}
+constexpr bool kHaveA8Avx2 = true;
+#else
+constexpr bool kHaveA8Avx2 = false;
+#endif
+
 // sum of each group of 32 values of x[groups * 32]
 template <typename T>
 inline void group_sums(const T* x, int64_t groups, float* out) {
@@ -1813,14 +2029,17 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
                         groups % 2 == 0 && qgemv_bf16_enabled();
   // int8 x against 4-bit rows: the quads kernel (qrows4_a8), qgemm_a8's sums; 8-bit rows: qrow_vnni
   const bool a8_quads = vnni && kind == 4 && kHaveA8Quads;
+  // AVX2 hosts: int8 x against 4-bit rows through vpmaddubsw (qrows4_a8_avx2)
+  const bool a8_avx2 = act_int8 && kHaveA8Avx2 && kind == 4;
+  const bool a8_rows = a8_quads || a8_avx2;   // the kernels that sum the rounded x (dsum)
   // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel but
   // the int8 quads (which sum the rounded x, dsum) takes x's group sums (for the minima)
-  std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(a8_quads ? 0 : m * groups, 0.f);
+  std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(a8_rows ? 0 : m * groups, 0.f);
   for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = load(x, i);
   // x's group sums (the minima's factor), 32 values at a time in two vectors (a chain of 32
   // scalar adds a group before: a 2-row product at k = 576 2.42-2.49 -> 2.23-2.30 us a call, at
   // k = 1,536 3.04-3.12 -> 2.53-2.58 us; ~30 us of a SmolLM2 decode step)
-  for (int64_t r = 0; !a8_quads && r < m; ++r) group_sums(x + r * k, groups, xsum.data() + r * groups);
+  for (int64_t r = 0; !a8_rows && r < m; ++r) group_sums(x + r * k, groups, xsum.data() + r * groups);
   std::vector<uint16_t> xp(bf16_dot ? m * k : 0);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same<T, at::BFloat16>::value) {
@@ -1831,8 +2050,13 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     }
   }
 #endif
-  std::vector<int8_t> xq(vnni ? m * (k + 64) : 0);
-  std::vector<float> dx(vnni ? m * groups : 0), dsum(a8_quads ? m * groups : 0);
+  std::vector<int8_t> xq(vnni || a8_avx2 ? m * (k + 64) : 0);
+  std::vector<float> dx(vnni || a8_avx2 ? m * groups : 0), dsum(a8_rows ? m * groups : 0);
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  for (int64_t r = 0; a8_avx2 && r < m; ++r)
+    quantize_x_pairs_avx2(xf.data() + r * k, k, xq.data() + r * (k + 64), dx.data() + r * groups,
+                          dsum.data() + r * groups);
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   for (int64_t r = 0; a8_quads && r < m; ++r)
     quantize_x_quads(xf.data() + r * k, k, xq.data() + r * (k + 64), dx.data() + r * groups,
@@ -1850,7 +2074,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     if (pf_next) prefetch_share(next, at::get_thread_num(), threads);
     // this row's scales and minima in fp32 (16 per instruction from their fp16), for the row
     // kernels that take them so (the bf16 dot products and the int8 quads widen them in registers)
-    const bool fp16_rows = bf16_dot || a8_quads;
+    const bool fp16_rows = bf16_dot || a8_rows;
     std::vector<float> row_scales(fp16_rows ? 0 : 2 * groups);
     float* sc = row_scales.data();
     float* mn = mins_h != nullptr && !fp16_rows ? sc + groups : nullptr;
@@ -1882,6 +2106,41 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
           by_rows(rn, [&](auto rows) {
             qrows4_a8<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs,
                                                 dss, groups, totals);
+          });
+          for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
+        }
+      }
+      return;
+    }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (a8_avx2) {   // as the quads' loop above, with qrows4_a8_avx2
+      const int8_t* xqs[4];
+      const float *dxs[4], *dss[4];
+      if (m == 1) {   // one decode: two W rows at a time (x's loads shared by them)
+        constexpr int WN = 2;
+        xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
+        for (; o + WN <= n1; o += WN) {
+          const uint8_t* wr = qw + o * row_bytes;
+          for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
+          float totals[WN];
+          qrows4_a8_avx2<WN, 1>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs, dss, groups,
+                                totals);
+          for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
+        }
+      }
+      for (; o < n1; ++o) {
+        const uint8_t* wr = qw + o * row_bytes;
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+          const int64_t rn = std::min<int64_t>(4, m - r0);
+          float totals[4];
+          for (int64_t r = 0; r < rn; ++r)
+            xqs[r] = xq.data() + (r0 + r) * (k + 64), dxs[r] = dx.data() + (r0 + r) * groups,
+            dss[r] = dsum.data() + (r0 + r) * groups;
+          by_rows(rn, [&](auto rows) {
+            qrows4_a8_avx2<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs,
+                                                     dxs, dss, groups, totals);
           });
           for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
         }
@@ -1950,6 +2209,13 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
           case 3: qrow<3>(wr, sc, xr, k, groups, kind, totals); break;
           default: qrow<4>(wr, sc, xr, k, groups, kind, totals); break;
         }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        switch (rn) {
+          case 1: qrow_avx2<1>(wr, sc, xr, k, groups, kind, totals); break;
+          case 2: qrow_avx2<2>(wr, sc, xr, k, groups, kind, totals); break;
+          case 3: qrow_avx2<3>(wr, sc, xr, k, groups, kind, totals); break;
+          default: qrow_avx2<4>(wr, sc, xr, k, groups, kind, totals); break;
+        }
 #else
         qrow_generic(wr, sc, xr, k, groups, kind, rn, totals);
 #endif
@@ -1998,17 +2264,26 @@ TORCH_LIBRARY(fastgen, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("qgemv(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, bool act_int8=False) -> Tensor");
   m.def("have_vnni() -> bool");
+  m.def("a8_kinds() -> int[]");
   m.def("have_bf16_dot() -> bool");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor q_starts, Tensor start_pos, "
         "Tensor block_tables, float scale, int window=0) -> Tensor");
 }
 
 bool have_vnni() { return kHaveVnni; }
+// the weight kinds (4, 8 bits) with int8-activation kernels in this build (qgemv's int8 rows and
+// qgemm_a8): both with AVX512-VNNI, 4-bit rows with AVX2's vpmaddubsw, none otherwise
+std::vector<int64_t> a8_kinds() {
+  if (kHaveVnni) return {4, 8};
+  if (kHaveA8Avx2) return {4};
+  return {};
+}
 // bf16 x takes qgemv's vdpbf16ps kernel (AVX512-BF16, FASTGEN_QGEMV_BF16 not 0)
 bool have_bf16_dot() { return kHaveBf16Dot && qgemv_bf16_enabled(); }
 
 TORCH_LIBRARY_IMPL(fastgen, CompositeExplicitAutograd, m) {
   m.impl("have_vnni", &have_vnni);
+  m.impl("a8_kinds", &a8_kinds);
   m.impl("have_bf16_dot", &have_bf16_dot);
 }
 

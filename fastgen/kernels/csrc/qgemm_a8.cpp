@@ -33,6 +33,13 @@ namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHaveA8 = true;
+#define FASTGEN_A8_VNNI 1
+#elif !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 hosts (no AVX-512): vpmaddubsw + vpmaddwd in place of vpdpbusd, 4-bit rows only (a
+// byte weight q + 128 times |x| <= 127, paired, overflows vpmaddubsw's 16-bit sums)
+constexpr bool kHaveA8 = true;
+#define FASTGEN_A8_AVX2 1
+#include <immintrin.h>
 #else
 constexpr bool kHaveA8 = false;
 #endif
@@ -46,6 +53,98 @@ constexpr bool kHaveA8 = false;
 constexpr int NR8 = QGEMM_A8_NR;   // output features per panel
 constexpr int HM8 = QGEMM_A8_HM;   // vectors of 16 rows per block
 constexpr int MB8 = 16 * HM8;      // rows per block of x
+
+#if defined(FASTGEN_A8_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// rows r0 .. r0 + MB8 - 1 of x [m, k] (rows past m zero): xq words [k/4][MB8], dx and
+// dx * sum(xq) [groups][MB8]; the rounding of the AVX-512 build (and of qgemv's int8 rows)
+template <typename T>
+void quantize_block(const T* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx, float* dsum) {
+  const int64_t groups = k / 32, words = k / 4;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int r = 0; r < MB8; ++r) {
+    if (r0 + r >= m) {
+      for (int64_t j = 0; j < words; ++j) xa[j * MB8 + r] = 0;
+      for (int64_t g = 0; g < groups; ++g) dx[g * MB8 + r] = 0.f, dsum[g * MB8 + r] = 0.f;
+      continue;
+    }
+    const T* xr = x + (r0 + r) * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = load8(xr + g * 32 + 8 * i);
+      const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 z = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      z = _mm_max_ps(z, _mm_movehl_ps(z, z));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(z, _mm_shuffle_ps(z, z, 1)));
+      const float d = amax > 0.f ? amax / 127.f : 1.f;
+      const __m256 inv = _mm256_set1_ps(1.f / d);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+      alignas(32) int32_t w[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w), _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order));
+      for (int j = 0; j < 8; ++j) xa[(g * 8 + j) * MB8 + r] = w[j];
+      dx[g * MB8 + r] = d;
+      dsum[g * MB8 + r] = d * static_cast<float>(_mm_cvtsi128_si32(u));
+    }
+  }
+}
+
+// one block x one panel, as the AVX-512 micro_a8 (out [NR8][MB8] fp32 in L1), in passes of 4
+// features x 16 rows (8 accumulators of 16-bit sums, 2 x vectors, a broadcast: 11 of AVX2's 16
+// registers). Per group each 16-bit lane sums 16 products of a nibble and |xq| <= 127: at most
+// 30,480, inside vpmaddubsw's and vpaddw's range; then one vpmaddwd by ones into 32 bits.
+// rows: the block's rows that hold x (16 or MB8)
+inline void micro_a8_avx2(const int32_t* xa, const float* dx, const float* dsum, const uint32_t* u, const float* s,
+                          const float* mn, int64_t groups, int rows, float* out) {
+  static_assert(NR8 % 4 == 0 && MB8 % 16 == 0, "passes of 4 features x 16 rows");
+  for (int c = 0; c < NR8 * MB8; c += 8) _mm256_store_ps(out + c, _mm256_setzero_ps());
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int32_t* xg = xa + g * 8 * MB8;
+    const uint32_t* ug = u + g * 8 * NR8;
+    for (int f0 = 0; f0 < NR8; f0 += 4) {
+      for (int v0 = 0; v0 < rows; v0 += 16) {
+        __m256i a[4][2];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) a[c][0] = a[c][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xg + j * MB8 + v0));
+          const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xg + j * MB8 + v0 + 8));
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            const __m256i wb = _mm256_set1_epi32(static_cast<int>(ug[j * NR8 + f0 + c]));
+            a[c][0] = _mm256_add_epi16(a[c][0], _mm256_maddubs_epi16(wb, x0));
+            a[c][1] = _mm256_add_epi16(a[c][1], _mm256_maddubs_epi16(wb, x1));
+          }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256 d = _mm256_load_ps(dx + g * MB8 + v0 + 8 * h), e = _mm256_load_ps(dsum + g * MB8 + v0 + 8 * h);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            const __m256 sv = _mm256_set1_ps(s[g * NR8 + f0 + c]), mv = _mm256_set1_ps(mn[g * NR8 + f0 + c]);
+            float* o = out + (f0 + c) * MB8 + v0 + 8 * h;
+            const __m256 i32 = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[c][h], ones));
+            _mm256_store_ps(o, _mm256_fmadd_ps(e, mv, _mm256_fmadd_ps(i32, _mm256_mul_ps(d, sv), _mm256_load_ps(o))));
+          }
+        }
+      }
+    }
+  }
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // rows r0 .. r0 + MB8 - 1 of x [m, k] (rows past m zero): xq words [k/4][MB8], dx and
@@ -78,7 +177,9 @@ void quantize_block(const T* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, f
     }
   }
 }
+#endif
 
+#if defined(FASTGEN_A8_VNNI) || defined(FASTGEN_A8_AVX2)
 // output features o0 .. o0 + nc - 1 (the rest zero), interleaved so that one pointer reaches a
 // step's NR8 values: u as [k/4][NR8] words of 4 unsigned bytes in k order, s and m as
 // [groups][NR8] fp32
@@ -123,6 +224,7 @@ void unpack_panel(const uint8_t* qw, const uint16_t* scales, const uint16_t* min
 // sums live in registers (NR8 * H of them); each group's scaled sums are added to out, which
 // stays in L1 (with the fp32 sums in registers too GCC spilled and copied registers in the
 // inner loop: 0.5x vpdpbusd's rate)
+#if defined(FASTGEN_A8_VNNI)
 template <int H>
 inline void micro_a8(const int32_t* xa, const float* dx, const float* dsum, const uint32_t* u, const float* s,
                      const float* mn, int64_t groups, float* out) {
@@ -164,6 +266,8 @@ inline void micro_a8(const int32_t* xa, const float* dx, const float* dsum, cons
   }
 }
 
+#endif
+
 template <typename T>
 void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias,
                    T* y, int64_t m, int64_t n, int64_t k, int kind, bool silu) {
@@ -198,10 +302,15 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
       alignas(64) float acc[NR8 * MB8], accu[NR8 * MB8];
       auto multiply = [&](int64_t b, const uint32_t* panel, const float* psm, float* out) {
         const int64_t at = b * block_groups;
+#if defined(FASTGEN_A8_AVX2)
+        micro_a8_avx2(xa + b * block_words, dx + at, dsum + at, panel, psm, psm + NR8 * groups, groups,
+                      m - b * MB8 > 16 ? MB8 : 16, out);
+#else
         if (HM8 > 1 && m - b * MB8 > 16)
           micro_a8<HM8>(xa + b * block_words, dx + at, dsum + at, panel, psm, psm + NR8 * groups, groups, out);
         else
           micro_a8<1>(xa + b * block_words, dx + at, dsum + at, panel, psm, psm + NR8 * groups, groups, out);
+#endif
       };
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t o0 = pi * NR8;
@@ -225,7 +334,7 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
 at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins, int64_t kind, const c10::optional<at::Tensor>& bias,
                     bool silu_mul) {
-  TORCH_CHECK(kHaveA8, "qgemm_a8 needs AVX512-VNNI (torch.ops.fastgen.have_vnni())");
+  TORCH_CHECK(kHaveA8, "qgemm_a8 needs AVX512-VNNI or AVX2 (torch.ops.fastgen.a8_kinds())");
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemm_a8: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
   const QuantRowsPtrs qp = check_quant_rows("qgemm_a8", qw, scales, mins, kind, k);
@@ -233,7 +342,10 @@ at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, silu_mul ? n / 2 : n}, xc.options());
   if (m == 0) return y;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(FASTGEN_A8_AVX2)
+  TORCH_CHECK(kind == 4, "qgemm_a8 on an AVX2 host takes 4-bit rows only (torch.ops.fastgen.a8_kinds())");
+#endif
+#if defined(FASTGEN_A8_VNNI) || defined(FASTGEN_A8_AVX2)
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemm_a8",
       AT_DISPATCH_CASE(at::kFloat, [&] {
