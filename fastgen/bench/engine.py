@@ -171,9 +171,15 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     print_machine(machine)
     matmul = machine.matmul[meta.dtype].gflops
     # with int8 activations the prompt's products are integer ones: its roofline takes them at
-    # _int_mm's rate and its attention at the dtype's matmul rate
+    # _int_mm's rate and its attention at the dtype's matmul rate. Where _int_mm is slower than the
+    # dtype's own products (AVX2 hosts: torch has no fast int8 CPU product there, 2.4 against 141
+    # GFLOP/s fp32 on a Zen 3), the products' limit is the faster of the two
     roofline = matmul
     int8 = machine.matmul.get("int8")
+    if int8 is not None and int8.gflops < matmul:
+        print(f"   int8 _int_mm {int8.gflops:.1f} GOP/s is below {meta.dtype}'s {matmul:.1f} GFLOP/s on this "
+              f"host: the prompt's products are held to {meta.dtype}'s rate")
+        int8 = None
     if int8 is not None:
         roofline = prompt_roofline(costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1),
                                    int8.gflops, matmul)

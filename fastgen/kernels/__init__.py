@@ -148,7 +148,8 @@ class BuildProgress:
                 finished = self._done.wait(0.5)
                 # a built library counts every step (ninja skips objects an earlier build left)
                 done = bar.total if self._ok else self.steps_done(since)
-                bar.update(done - bar.n)
+                if done != bar.n:   # only on a step: a log (no terminal) gets a line a step, not one a poll
+                    bar.update(done - bar.n)
                 if finished:
                     return
 
