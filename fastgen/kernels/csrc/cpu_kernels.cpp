@@ -506,13 +506,47 @@ inline void pv4(const float* p, int64_t bs, int64_t n, const float* vf, int64_t 
       _mm256_storeu_ps(acc + r * d + ib, a[r][0]), _mm256_storeu_ps(acc + r * d + ib + 8, a[r][1]);
   }
 }
+// one row's online softmax over a block of 32 keys it sees whole, in registers: sc[0..32) (scaled
+// scores) become the probabilities, the row's accumulator ar[d] and (max, sum) take the
+// correction; the values of softmax_update's loops (the same fast_exp steps), without its masks
+inline void softmax_block32_avx2(Partial& ml, float* ar, int64_t d, float* sc) {
+  __m256 s[4];
+  for (int i = 0; i < 4; ++i) s[i] = _mm256_loadu_ps(sc + 8 * i);
+  const __m256 m2 = _mm256_max_ps(_mm256_max_ps(s[0], s[1]), _mm256_max_ps(s[2], s[3]));
+  __m128 z = _mm_max_ps(_mm256_castps256_ps128(m2), _mm256_extractf128_ps(m2, 1));
+  z = _mm_max_ps(z, _mm_movehl_ps(z, z));
+  const float mx = std::max(ml.m, _mm_cvtss_f32(_mm_max_ss(z, _mm_shuffle_ps(z, z, 1))));
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 l = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 pv = fast_exp8(_mm256_sub_ps(s[i], mv));
+    _mm256_storeu_ps(sc + 8 * i, pv);
+    l = _mm256_add_ps(l, pv);
+  }
+  float corr = 1.f;
+  if (mx != ml.m) {   // else the correction is exactly 1: skipped
+    corr = fast_exp(ml.m - mx);
+    const __m256 cv = _mm256_set1_ps(corr);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(ar + i, _mm256_mul_ps(_mm256_loadu_ps(ar + i), cv));
+    for (; i < d; ++i) ar[i] *= corr;
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  ml = Partial{mx, ml.l * corr + _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))};
+}
 constexpr bool kHaveBlocked = true;
 constexpr bool kHaveBf16Blocked = false;
+constexpr bool kHaveSoftmax32Avx2 = true;
 #else
 inline void qk4(const float*, int64_t, const float*, int64_t, float*) {}
 inline void pv4(const float*, int64_t, int64_t, const float*, int64_t, float*) {}
 constexpr bool kHaveBlocked = false;
 constexpr bool kHaveBf16Blocked = false;
+#endif
+#if !(!defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__))
+inline void softmax_block32_avx2(Partial&, float*, int64_t, float*) {}
+constexpr bool kHaveSoftmax32Avx2 = false;
 #endif
 #if !defined(__AVX512BF16__)
 inline void qk4_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, float*) {}
@@ -910,8 +944,12 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
         for (int64_t rr = 0; rr < 4; ++rr) {
           const int64_t r = r_first + rr;
           const int64_t pos = p0 + qa + r / group;
-          softmax_row(r, sc4 + rr * bs, std::max<int64_t>(0, first_visible(pos) - first_key),
-                      std::min(n, pos - first_key + 1));
+          const int64_t from = std::max<int64_t>(0, first_visible(pos) - first_key);
+          const int64_t visible = std::min(n, pos - first_key + 1);
+          if (kHaveSoftmax32Avx2 && bs == 32 && from == 0 && visible == 32)
+            softmax_block32_avx2(ml[r], acc.data() + r * d, d, sc4 + rr * bs);   // a block it sees whole
+          else
+            softmax_row(r, sc4 + rr * bs, from, visible);
         }
         pv4(sc4, bs, n, vf.data(), d, acc.data() + r_first * d);
       }
