@@ -236,8 +236,8 @@ inline void micro_a8(const int32_t* xa, const float* dx, const float* dsum, cons
 #pragma GCC unroll 16
     for (int c = 0; c < NR8; ++c) {
       const __m512i wb = _mm512_set1_epi32(static_cast<int>(ug[c]));
-      i0[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, _mm512_load_si512(xg));
-      if (H > 1) i1[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, _mm512_load_si512(xg + 16));
+      i0[c] = _mm512_dpbusd_epi32(zeroed_si512(), wb, _mm512_load_si512(xg));
+      if (H > 1) i1[c] = _mm512_dpbusd_epi32(zeroed_si512(), wb, _mm512_load_si512(xg + 16));
     }
 #pragma GCC unroll 8
     for (int j = 1; j < 8; ++j) {
