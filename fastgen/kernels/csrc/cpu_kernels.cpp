@@ -743,11 +743,17 @@ inline void softmax_block32_rows(Partial* ml, float* ar, int64_t d, const float*
     s0[r] = _mm512_mul_ps(_mm512_loadu_ps(sc + r * bs), sv);
     s1[r] = _mm512_mul_ps(_mm512_loadu_ps(sc + r * bs + 16), sv);
   }
-  for (int r = 0; r < R; ++r) mx[r] = std::max(ml[r].m, _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r])));
+  // the running maximum moves only where a score exceeds it; only then is the block's maximum
+  // reduced across lanes (the same mx either way: once past a row's first blocks it rarely moves)
+  for (int r = 0; r < R; ++r) {
+    const __m512 old = _mm512_set1_ps(ml[r].m);
+    const bool up = (_mm512_cmp_ps_mask(s0[r], old, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1[r], old, _CMP_GT_OQ)) != 0;
+    mx[r] = up ? std::max(ml[r].m, _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r]))) : ml[r].m;
+  }
   for (int r = 0; r < R; ++r) {
     const __m512 mv = _mm512_set1_ps(mx[r]);
-    p0[r] = fast_exp16(_mm512_sub_ps(s0[r], mv));
-    p1[r] = fast_exp16(_mm512_sub_ps(s1[r], mv));
+    p0[r] = fast_exp16_nonpos(_mm512_sub_ps(s0[r], mv));
+    p1[r] = fast_exp16_nonpos(_mm512_sub_ps(s1[r], mv));
   }
   for (int r = 0; r < R; ++r) {
     float corr = 1.f;
