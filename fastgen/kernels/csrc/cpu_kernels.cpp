@@ -612,10 +612,12 @@ inline __m512 qk16(const T* qrow, const T* kb, int64_t stride, int64_t cnt) {
       const T* kj = kb + j * stride;
       if constexpr (std::is_same_v<T, at::BFloat16>) {
 #if defined(__AVX512BF16__)
-        for (int64_t c = 0; c < DC; c += 64) {
+        // one chain a key (sixteen keys keep sixteen chains in flight): no vector add a key
+        a = zeroed_ps();
+        for (int64_t c = 0; c < DC; c += 32)
           a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qrow + c), (__m512bh)_mm512_loadu_si512(kj + c));
-          b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(qrow + c + 32), (__m512bh)_mm512_loadu_si512(kj + c + 32));
-        }
+        v[j] = a;
+        continue;
 #endif
       } else {
         for (int64_t c = 0; c < DC; c += 32) {

@@ -62,6 +62,12 @@ inline __m512i zeroed_si512() {
   asm volatile("vpxord %0, %0, %0" : "=v"(z));
   return z;
 }
+// the same for an fp32 accumulator (vxorps)
+inline __m512 zeroed_ps() {
+  __m512 z;
+  asm volatile("vxorps %0, %0, %0" : "=v"(z));
+  return z;
+}
 #endif
 
 // n fp16 values (bits) -> fp32, exactly
