@@ -36,30 +36,9 @@ inline float fast_exp(float x) {
 }
 
 #if defined(__AVX512F__)
-// fast_exp on 16 lanes (the same steps)
-inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
-
-#if defined(__AVX512F__)
-// fast_exp16 for x <= 0 (or NaN), the softmax's case, with the same values bit for bit in four
-// vector ops fewer: the clamp at 88 cannot bind, and p * 2^fi by vscalefps, exact where the
-// exponent bits are (fi >= -125 after the clamp at -87). NaN still goes to exp(-87), as there.
-inline __m512 fast_exp16_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+// fast_exp's steps on 16 lanes from the clamp on (x in [-87, 88]); p * 2^fi by vscalefps, exact
+// there as the exponent bits fast_exp builds are
+inline __m512 fast_exp16_clamped(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, fi);
@@ -72,6 +51,14 @@ inline __m512 fast_exp16_nonpos(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, fi);
 }
+
+// fast_exp on 16 lanes (the same steps; NaN goes to exp(-87), as max_ps returns the clamp)
+inline __m512 fast_exp16(__m512 x) {
+  return fast_exp16_clamped(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f)));
+}
+
+// fast_exp16 for x <= 0 (or NaN), the softmax's case: the clamp at 88 cannot bind, so one op fewer
+inline __m512 fast_exp16_nonpos(__m512 x) { return fast_exp16_clamped(_mm512_max_ps(x, _mm512_set1_ps(-87.f))); }
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
