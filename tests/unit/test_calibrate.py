@@ -69,3 +69,24 @@ def test_a_curve_cut_short_is_not_cached(tmp_path, monkeypatch):
     assert [n for n, _ in whole.curve] == list(calibrate.LADDER) and not whole.cached
     again = calibrate.calibrate_budget(model, **kw)
     assert again.cached and again.curve == whole.curve
+
+
+def test_the_cache_key_follows_the_native_kernels_build(tmp_path, monkeypatch):
+    """A budget curve or row limits measured through one build of the native kernels are not read
+    back after the kernels change (their speed, hence the curve, changed with them); the torch
+    path's key does not depend on that build."""
+    import torch
+
+    from fastgen import calibrate, kernels
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"0")
+    args = (str(model), torch.bfloat16)
+    rest = (2, 32, torch.device("cpu"))
+    monkeypatch.setattr(kernels, "build_name", lambda: "fastgen_cpu_kernels_aaaa")
+    native_a, torch_a = calibrate._host_key(*args, "native", *rest), calibrate._host_key(*args, "torch", *rest)
+    monkeypatch.setattr(kernels, "build_name", lambda: "fastgen_cpu_kernels_bbbb")
+    native_b, torch_b = calibrate._host_key(*args, "native", *rest), calibrate._host_key(*args, "torch", *rest)
+    assert native_a != native_b
+    assert torch_a == torch_b
+    assert native_b == calibrate._host_key(*args, "native", *rest)
