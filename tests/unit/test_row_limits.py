@@ -7,7 +7,7 @@ import torch
 
 from fastgen import kernels
 from fastgen.model.quant import QuantWeight
-from fastgen.row_limits import NEVER, a8_formats, apply_limits, choose_limits
+from fastgen.row_limits import A8_LADDER, NEVER, a8_formats, apply_limits, choose_limits
 
 
 def _vnni_or_skip() -> None:
@@ -68,7 +68,7 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
     engine = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts)
     limits = engine.row_limits
     assert limits is not None and not limits.cached
-    assert [n for n, _, _ in limits.a8_points] == [16, 32, 64, 128]
+    assert [n for n, _, _ in limits.a8_points] == list(A8_LADDER)
     assert limits.qgemv_points and limits.qgemv_points[0][0] == 2
     assert (limits.max_qgemv_rows, limits.min_a8_rows) == choose_limits(limits.qgemv_points, limits.a8_points)
     formats = a8_formats(engine.model)
