@@ -187,12 +187,13 @@ def test_int8_activations_are_taken_by_the_kinds_this_build_has_kernels_for():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows,n,k", [(7, 12, 32), (33, 70, 576), (100, 8, 64), (600, 21, 1536)])
+@pytest.mark.parametrize("rows,n,k", [(7, 12, 32), (12, 20, 96), (33, 70, 576), (100, 8, 64), (600, 21, 1536)])
 def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype, bits, rows, n, k):
     """qgemm_a8 rounds x to int8 per (row, group of 32) and multiplies by W's exact values
     (integer dot products, then the group's two scales and W's minimum): the reference is the
-    rounded x times the dequantized W, in fp32. Shapes: blocks of 32 rows and a short last one,
-    panels of 8 and a short last one, row chunks (600 x 1536: more than one)."""
+    rounded x times the dequantized W, in fp32. Shapes: blocks of 32 rows and a short last one
+    (up to 8 rows: the 256-bit kernel; 9-16: one 512-bit vector; 17-31: two), panels of 8 and a
+    short last one, row chunks (600 x 1536: more than one)."""
     _skip_without_int8(bits)
     g = torch.Generator().manual_seed(bits * 1000 + rows + n)
     q = QuantWeight(quantize(torch.randn(n, k, generator=g), bits), None).quant
@@ -207,6 +208,21 @@ def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype
     assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
     torch.testing.assert_close(torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind).float(),
                                got.float() - bias, atol=tol * 4 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activation_gemm_rows_do_not_depend_on_the_block_kernel(bits):
+    """qgemm_a8 takes a 256-bit kernel for blocks of up to 8 rows, one 512-bit vector for 9-16 and
+    two for more: each row's lane takes the same operations in each, so a row's output is the same
+    bit for bit whether it is multiplied alone, among 12 rows or among 40."""
+    _skip_without_int8(bits)
+    g = torch.Generator().manual_seed(7 + bits)
+    q = QuantWeight(quantize(torch.randn(24, 576, generator=g), bits), None).quant
+    x = torch.randn(40, 576, generator=g).to(torch.bfloat16)
+    full = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, None, True)
+    for rows in (1, 5, 8, 12, 16, 20):
+        part = torch.ops.fastgen.qgemm_a8(x[:rows], q.qweight, q.scales, q.mins, q.kind, None, True)
+        assert torch.equal(part, full[:rows]), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
