@@ -1014,14 +1014,16 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
 }
 
 #if defined(__AVX512F__)
+// The key blocks a decode prefetches ahead, into L2 rather than the next into L1: L1's few miss
+// buffers capped a thread's stream (Zen 4, the 30 layers' pools from memory, alternating rounds:
+// 6 decodes x ~1.5k keys 0.876x the time, 12 of 12 faster; 32 x 4k 0.809x, 4 of 4; 1 ahead
+// 0.882x / 0.854x)
+constexpr int64_t kDecodePrefetchBlocks = 3;
+
 // A decode, all its heads (kv = -1 items): for each key block of the item's split, every KV head
 // in turn, so that each block is read once and front to back, the blocks ahead prefetched (blocks
 // lie anywhere in the pool, out of the hardware prefetcher's sight). 32 decodes x 4k keys, cold:
 // 7.0 ms per KV head without the prefetch, 5.2-5.4 ms with it, per KV head or all heads alike.
-// Three blocks ahead into L2 rather than the next into L1: L1's few miss buffers capped a
-// thread's stream (Zen 4, the 30 layers' pools from memory, alternating rounds: 6 decodes x
-// ~1.5k keys 0.876x the time, 12 of 12 faster; 32 x 4k 0.809x, 4 of 4; 1 ahead 0.882x / 0.854x).
-constexpr int64_t kDecodePrefetchBlocks = 3;
 // Scores by qk16 straight from the pool's keys; in bf16 the values too (pv_rows_bf16,
 // probabilities as bf16 pairs), in fp32 each head's values widened once per block (pv_rows).
 // acc [h][d], ml [h]: row r is head r.
