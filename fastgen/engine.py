@@ -83,6 +83,8 @@ class Engine:
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         cache = config.cache
         self.pool = self.new_pool(cache.num_blocks)
+        if getattr(model, "graphs_decode", False):   # CUDA graphs of decode steps, made now for this pool
+            model._decode_graphs().capture_all(self.pool, config.scheduler.max_seqs)
         # Benchmarks' seam: called with the seconds of each model forward (device-synchronised).
         # None (the default) costs one attribute test per step.
         self.forward_observer: Callable[[float], None] | None = None
@@ -110,8 +112,11 @@ class Engine:
         rank holds, head dim, dtype, device, block size): the engine's own, or a private one for
         direct forwards (evaluation, benchmarks) that leaves the engine's blocks alone."""
         mc, cfg = self.model_config, self.config
+        # a spare block for the padding rows of CUDA-graphed decode steps (fastgen/model/cuda_graphs.py)
+        spare = 1 if getattr(self.model, "graphs_decode", False) else 0
         return KVPool.for_model(mc, num_kv_heads=local_kv_heads(self.model, mc), num_blocks=num_blocks,
-                                block_size=cfg.cache.block_size, dtype=cfg.dtype, device=cfg.device)
+                                block_size=cfg.cache.block_size, dtype=cfg.dtype, device=cfg.device,
+                                spare_blocks=spare)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":

@@ -13,21 +13,31 @@ import torch
 
 class KVPool:
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, spare_blocks: int = 0) -> None:
+        """``spare_blocks`` more blocks past ``num_blocks``, never handed out by the allocator: where
+        the padding rows of a CUDA-graphed decode step write their keys and values
+        (fastgen/model/cuda_graphs.py)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.spare_blocks = spare_blocks
+        shape = (num_blocks + spare_blocks, block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    @property
+    def spare_slot(self) -> int | None:
+        """The first slot of the spare blocks, or None without them."""
+        return self.num_blocks * self.block_size if self.spare_blocks else None
+
     @classmethod
     def for_model(cls, config, *, num_kv_heads: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> "KVPool":
+                  device: torch.device, spare_blocks: int = 0) -> "KVPool":
         """The one place a model's numbers become a pool's shape: ``config.num_layers`` layers
         (a ModelConfig's) of ``[num_blocks, block_size, num_kv_heads, config.head_dim]``;
         ``num_kv_heads`` is what this rank holds (all of them without tensor parallelism)."""
         return cls(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
-                   num_kv_heads=num_kv_heads, head_dim=config.head_dim, dtype=dtype, device=device)
+                   num_kv_heads=num_kv_heads, head_dim=config.head_dim, dtype=dtype, device=device,
+                   spare_blocks=spare_blocks)
 
     @property
     def num_bytes(self) -> int:

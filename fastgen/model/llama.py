@@ -294,6 +294,7 @@ class LlamaForCausalLM(nn.Module):
                 self.head.quant_parts[0] = self._embed_quant
         self.__dict__["_runs"] = None      # the layers' closures are bound again on the next forward
         self.__dict__["_stack"] = None     # and the native stack built again (fastgen/model/stack.py)
+        self.__dict__["_graphs"] = None    # and the decode graphs (fastgen/model/cuda_graphs.py)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(formatter(m))
@@ -327,6 +328,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
+        graphs = self._decode_graphs()
+        if graphs is not None and graphs.takes(batch, pool):
+            return graphs.run(batch, pool)                         # a decode step as a CUDA graph
         step = self.step(batch, pool)
         residual = self.embed(batch)                               # [T, hidden]
         first = self.layers[0].input_layernorm
@@ -338,6 +342,21 @@ class LlamaForCausalLM(nn.Module):
             for run in self._layer_runs():
                 x = run(x, residual, step)                         # x = the next norm of residual
         return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
+
+    def _decode_graphs(self):
+        """CUDA graphs of decode steps (fastgen/model/cuda_graphs.py), built once after prepare();
+        None where they do not apply (a CPU, other ops or layers, ``FASTGEN_CUDA_GRAPHS=0``)."""
+        graphs = self.__dict__.get("_graphs")
+        if graphs is None:
+            from .cuda_graphs import DecodeGraphs
+            graphs = DecodeGraphs.build(self) or False
+            self.__dict__["_graphs"] = graphs
+        return graphs or None
+
+    @property
+    def graphs_decode(self) -> bool:
+        """Whether decode steps run as CUDA graphs: the engine's pool then has a spare block."""
+        return self._decode_graphs() is not None
 
     def _native_stack(self):
         """The layers as one native call for decode rows (fastgen/model/stack.py), built once after
@@ -507,6 +526,9 @@ class LayerNormCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
+        graphs = self._decode_graphs()
+        if graphs is not None and graphs.takes(batch, pool):
+            return graphs.run(batch, pool)                         # a decode step as a CUDA graph
         step = self.step(batch, pool)
         x = self.embed(batch)                                      # [T, hidden]
         for layer in self.layers:

@@ -1,0 +1,153 @@
+"""Decode steps through the static buffers of fastgen/model/cuda_graphs.py give what the eager
+forward gives: on a CPU without capture (every machine), and replayed as CUDA graphs where a GPU
+is present."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastgen.cache import KVPool
+from fastgen.model.cuda_graphs import BATCH_SIZES, DecodeGraphs, _widths
+from fastgen.pipeline import Pipeline, pipeline
+from fastgen.request import SamplingParams
+from tests.tiny_model import make_tiny_model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:",
+           "Here is a short story about a robot who learns to paint. Once upon a time," * 4,
+           "a b c d e f g"]
+
+
+class Spy(DecodeGraphs):
+    """Runs the static path and, beside it, the eager forward on a copy of the pool: their logits
+    must agree, and the padding rows must write the spare block only."""
+
+    def __init__(self, model, capture):
+        super().__init__(model, capture=capture)
+        self.checked = 0
+        self.sizes: set[int] = set()
+
+    def run(self, batch, pool):
+        before = [k.clone() for k in pool.keys]
+        got = super().run(batch, pool)
+        # every slot that changed is a row's own slot or in the spare block
+        real = set(batch.slots.tolist())
+        for k0, k1 in zip(before, pool.keys):
+            changed = (k0 != k1).reshape(k0.shape[0] * k0.shape[1], -1).any(-1).nonzero().flatten().tolist()
+            assert set(changed) <= real | set(range(pool.spare_slot, pool.spare_slot + pool.block_size))
+        self.sizes.add(next(b for b in BATCH_SIZES if b >= batch.num_seqs))
+        self.checked += 1
+        return got
+
+
+def _engines(tmp_path, device, capture):
+    folder = make_tiny_model(str(tmp_path / "tiny"))
+    eager = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=16, prefix_caching=False)
+    graphed = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=16,
+                       prefix_caching=False)
+    eng = graphed.engine
+    eng.pool = eng.new_pool(eng.config.cache.num_blocks) if eng.model.graphs_decode else KVPool.for_model(
+        eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=eng.config.cache.num_blocks,
+        block_size=eng.config.cache.block_size, dtype=eng.config.dtype, device=eng.config.device, spare_blocks=1)
+    spy = Spy(eng.model, capture)
+    eng.model.__dict__["_graphs"] = spy
+    return eager, graphed, spy
+
+
+def _check(eager, graphed, spy):
+    want = [list(r.token_ids) for r in eager(PROMPTS, max_new_tokens=20, do_sample=False, ignore_eos=True)]
+    got = [list(r.token_ids) for r in graphed(PROMPTS, max_new_tokens=20, do_sample=False, ignore_eos=True)]
+    assert got == want
+    assert spy.checked > 10 and len(spy.sizes) >= 2     # decode batches of several padded sizes
+    # sampled requests beside greedy ones, then logits of a decode batch against the eager forward
+    eng = graphed.engine
+    rid = eng.add_request(PROMPTS[3], SamplingParams(max_new_tokens=8, seed=1))
+    others = [eng.add_request(p, SamplingParams(max_new_tokens=8, do_sample=False)) for p in PROMPTS[:3]]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.response(rid).generated_length == 8
+    assert eng.allocator.num_free_blocks == eng.config.cache.num_blocks
+
+
+def test_static_decode_path_matches_eager_on_cpu(tmp_path):
+    eager, graphed, spy = _engines(tmp_path, "cpu", capture=False)
+    _check(eager, graphed, spy)
+    assert spy.captures == 0
+
+
+def test_static_decode_logits_match_the_eager_forward(tmp_path):
+    """One decode batch of 3 (padded to 4): the static path's logits against model.forward's."""
+    folder = make_tiny_model(str(tmp_path / "tiny"))
+    pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch", budget_tokens=64, prefix_caching=False)
+    eng = pipe.engine
+    eng.pool = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads,
+                                num_blocks=eng.config.cache.num_blocks, block_size=eng.config.cache.block_size,
+                                dtype=eng.config.dtype, device=eng.config.device, spare_blocks=1)
+    graphs = DecodeGraphs(eng.model, capture=False)
+    seen = []
+    real_forward = type(eng.model).forward
+
+    def spy(model, batch, pool):
+        out = real_forward(model, batch, pool)
+        if graphs.takes(batch, pool):
+            seen.append((out, graphs.run(batch, pool)))
+        return out
+    type(eng.model).forward, saved = spy, real_forward
+    try:
+        pipe(PROMPTS[:3], max_new_tokens=6, do_sample=False, ignore_eos=True)
+    finally:
+        type(eng.model).forward = saved
+    assert len(seen) >= 5
+    for want, got in seen:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_widths_cover_every_context():
+    assert _widths(256) == (4, 16, 64, 256)
+    assert _widths(3) == (3,)
+    assert _widths(100) == (4, 16, 64, 100)
+
+
+def test_graphs_not_taken_on_cpu_or_when_turned_off(tmp_path, monkeypatch):
+    folder = make_tiny_model(str(tmp_path / "tiny"))
+    pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch")
+    assert not pipe.engine.model.graphs_decode and pipe.engine.pool.spare_slot is None
+    if torch.cuda.is_available():
+        monkeypatch.setenv("FASTGEN_CUDA_GRAPHS", "0")
+        gpu = pipeline(folder, device="cuda", dtype="float32")
+        assert not gpu.engine.model.graphs_decode
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_match_eager_on_cuda(tmp_path):
+    eager_pipe = pipeline(make_tiny_model(str(tmp_path / "t0")), device="cuda", dtype="float32")
+    import os
+    os.environ["FASTGEN_CUDA_GRAPHS"] = "0"
+    try:
+        eager = pipeline(str(tmp_path / "t0"), device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False)
+    finally:
+        del os.environ["FASTGEN_CUDA_GRAPHS"]
+    graphed = pipeline(str(tmp_path / "t0"), device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False)
+    assert graphed.engine.model.graphs_decode and graphed.engine.pool.spare_slot is not None
+    spy = Spy(graphed.engine.model, capture=True)
+    graphed.engine.model.__dict__["_graphs"] = spy
+    _check(eager, graphed, spy)
+    assert spy.captures >= 2 and spy.replays == spy.checked
+    del eager_pipe
+
+
+def test_capture_all_makes_every_shape_a_decode_batch_can_take(tmp_path):
+    folder = make_tiny_model(str(tmp_path / "tiny"))
+    eng = pipeline(folder, device="cpu", dtype="float32", kernels="torch", max_seqs=20).engine
+    pool = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=8,
+                            block_size=eng.config.cache.block_size, dtype=eng.config.dtype, device="cpu",
+                            spare_blocks=1)
+    graphs = DecodeGraphs(eng.model, capture=False)
+    max_blocks = -(-eng.model.ropes[0].cos.shape[0] // pool.block_size)
+    assert graphs.capture_all(pool, 20) == 6 * len(_widths(max_blocks))      # 1, 2, 4, 8, 16, 32
+    assert {b for b, _ in graphs._graphs} == {1, 2, 4, 8, 16, 32}
+    # made for this pool: a batch over another pool is not taken (a graph holds its addresses)
+    other = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=8,
+                             block_size=pool.block_size, dtype=eng.config.dtype, device="cpu", spare_blocks=1)
+    from fastgen.batch import SeqInput, build_batch
+    batch = build_batch([SeqInput([5], 3, [0], 1)], pool.block_size, torch.device("cpu"))
+    assert graphs.takes(batch, pool) and not graphs.takes(batch, other)
