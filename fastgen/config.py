@@ -85,6 +85,7 @@ class EngineConfig:
     kernels: str = "torch"   # "native" (fastgen's CPU kernels) or "torch"
     quantization: str = "none"   # "auto" (a GGUF as shipped), "none", "int8", "int4"
     int8_activations: bool = False
+    cuda_graphs: bool = True   # decode steps as CUDA graphs where they apply (fastgen/model/cuda_graphs.py)
     tensor_parallel_size: int = 1   # ranks of this replica (fastgen.parallel); num_threads is per rank
 
 
@@ -182,6 +183,9 @@ class EngineOptions:
     int8_activations: bool | None = None
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    # decode steps replayed as CUDA graphs on a GPU (fastgen/model/cuda_graphs.py); False runs every
+    # step eagerly (vLLM's --enforce-eager); no effect on a CPU
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         """Reject bad values when the options are built, before any model is loaded."""
@@ -204,6 +208,8 @@ class EngineOptions:
                 f"prompt_order must be one of {PROMPT_ORDERS}, got {self.prompt_order!r}", param="prompt_order")
         if not isinstance(self.prefix_caching, bool):
             raise InvalidRequestError("prefix_caching must be true or false", param="prefix_caching")
+        if not isinstance(self.cuda_graphs, bool):
+            raise InvalidRequestError("cuda_graphs must be true or false", param="cuda_graphs")
         if self.int8_activations is not None and not isinstance(self.int8_activations, bool):
             raise InvalidRequestError("int8_activations must be true, false or unset (auto)",
                                       param="int8_activations")
@@ -262,7 +268,7 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
         max_model_len=max_model_len, kernels=kernels,
         quantization=resolve_quantization(options.quantization, kernels),
         int8_activations=resolve_int8_activations(options.int8_activations, options.dtype),
-        tensor_parallel_size=options.tensor_parallel_size,
+        tensor_parallel_size=options.tensor_parallel_size, cuda_graphs=options.cuda_graphs,
     )
 
 

@@ -82,6 +82,8 @@ class Engine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         cache = config.cache
+        if hasattr(model, "_decode_graphs"):   # the engine option (EngineConfig.cuda_graphs)
+            model.__dict__["use_cuda_graphs"] = config.cuda_graphs
         self.pool = self.new_pool(cache.num_blocks)
         if getattr(model, "graphs_decode", False):   # CUDA graphs of decode steps, made now for this pool
             model._decode_graphs().capture_all(self.pool, config.scheduler.max_seqs)

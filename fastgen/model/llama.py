@@ -345,7 +345,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_graphs(self):
         """CUDA graphs of decode steps (fastgen/model/cuda_graphs.py), built once after prepare();
-        None where they do not apply (a CPU, other ops or layers, ``FASTGEN_CUDA_GRAPHS=0``)."""
+        None where they do not apply (a CPU, other ops or layers, the engine option ``cuda_graphs=False``,
+        ``FASTGEN_CUDA_GRAPHS=0``)."""
+        if not self.__dict__.get("use_cuda_graphs", True):   # the engine's cuda_graphs=False
+            return None
         graphs = self.__dict__.get("_graphs")
         if graphs is None:
             from .cuda_graphs import DecodeGraphs

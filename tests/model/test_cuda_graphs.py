@@ -112,6 +112,8 @@ def test_graphs_not_taken_on_cpu_or_when_turned_off(tmp_path, monkeypatch):
     pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch")
     assert not pipe.engine.model.graphs_decode and pipe.engine.pool.spare_slot is None
     if torch.cuda.is_available():
+        off = pipeline(folder, device="cuda", dtype="float32", cuda_graphs=False)
+        assert not off.engine.model.graphs_decode and off.engine.pool.spare_slot is None
         monkeypatch.setenv("FASTGEN_CUDA_GRAPHS", "0")
         gpu = pipeline(folder, device="cuda", dtype="float32")
         assert not gpu.engine.model.graphs_decode

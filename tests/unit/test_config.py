@@ -87,3 +87,18 @@ def test_api_keys_from_flags_file_and_environment(tmp_path):
     for path in (str(tmp_path / "empty"), str(tmp_path / "missing")):
         with pytest.raises(FastgenError, match="api-key-file"):
             api_keys(None, path, None)
+
+
+def test_cuda_graphs_option_flows_from_the_cli_to_the_engine_config():
+    from fastgen.cli import build_parser
+    from fastgen.errors import InvalidRequestError
+
+    ns = build_parser().parse_args(["serve", "--no-cuda-graphs"])
+    assert ns.cuda_graphs is False
+    assert not hasattr(build_parser().parse_args(["serve"]), "cuda_graphs")   # only flags given pass on
+    for asked in (True, False):
+        cfg = resolve_engine_config("m", EngineOptions(cuda_graphs=asked, num_blocks=4), kv_elems_per_token=64,
+                                    model_max_len=256)
+        assert cfg.cuda_graphs is asked
+    with pytest.raises(InvalidRequestError, match="cuda_graphs"):
+        EngineOptions(cuda_graphs="no")
