@@ -23,7 +23,8 @@ closures with plain PyTorch ops. Logits of the real rows are copied out of the g
 
 Taken only where it runs what the eager forward runs: a CUDA device, the plain PyTorch ops and the
 SDPA backend, every layer a plain ``DecoderLayer`` (Llama, Mistral, Qwen2/3, SmolLM; not Gemma 3's
-own layers or experts, whose routing is data-dependent), decode-only batches (prompt chunks run
+own layers or experts, whose routing is data-dependent), no tensor-parallel shards (their products
+finish across ranks), decode-only batches (prompt chunks run
 eagerly), and a pool with a spare block. ``FASTGEN_CUDA_GRAPHS=0`` turns it off (A/B
 measurements). On a CPU the same static path runs without capture, which is how the tests check
 it against the eager forward.
@@ -132,6 +133,12 @@ class DecodeGraphs:
                 or type(model.ops) is not TorchOps):
             return False
         if type(model.attention) is not SdpaAttention:
+            return False
+        # a tensor-parallel rank's products finish across ranks (all-reduce, gather: fastgen.parallel)
+        from ..parallel.layers import VocabParallelEmbedding, _Finishing
+        from .layers import Linear
+        if isinstance(model.embed_tokens, VocabParallelEmbedding) or any(
+                isinstance(getattr(m, "format", None), _Finishing) for m in model.modules() if isinstance(m, Linear)):
             return False
         return all(type(layer) is DecoderLayer and type(getattr(layer, "self_attn", None)) is Attention
                    and type(getattr(layer, "mlp", None)) is MLP for layer in model.layers)

@@ -111,6 +111,9 @@ def test_graphs_not_taken_on_cpu_or_when_turned_off(tmp_path, monkeypatch):
     folder = make_tiny_model(str(tmp_path / "tiny"))
     pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch")
     assert not pipe.engine.model.graphs_decode and pipe.engine.pool.spare_slot is None
+    # what the static path runs is this model's eager forward; with the native kernels it is not
+    assert DecodeGraphs.supported(pipe.engine.model)
+    assert not DecodeGraphs.supported(pipeline(folder, device="cpu", dtype="float32", kernels="native").engine.model)
     if torch.cuda.is_available():
         off = pipeline(folder, device="cuda", dtype="float32", cuda_graphs=False)
         assert not off.engine.model.graphs_decode and off.engine.pool.spare_slot is None
