@@ -15,7 +15,8 @@ copy:
   allocator never hands out), so that no sequence's cache is touched by them;
 - block tables ``[B, W]`` padded with the spare block, and each row's number of keys, from which
   the graph builds its attention masks (keys past a row's length are masked, as the SDPA
-  backend's decode groups mask them).
+  backend's decode groups mask them). A shape whose gathered keys and values would exceed
+  ``MAX_GATHER_BYTES`` is not captured; such batches run eagerly.
 
 Attention in the graph is the SDPA backend's decode path (gather the blocks, one masked SDPA call
 for the whole batch: :class:`StaticDecodeAttention`); everything else is the model's own layer
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 
 ENV = "FASTGEN_CUDA_GRAPHS"
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# a graph's gathered keys and values (B x W blocks, both) at most this large; a batch whose graph
+# would gather more runs eagerly (SmolLM2 at 64 x 8,192 keys: 403 MB; a Llama 3 8B, 8 KV heads of
+# 128, gathers 2.1 GB for 64 x 8,192 keys)
+MAX_GATHER_BYTES = 1 << 30
 
 
 def _widths(max_blocks: int) -> tuple[int, ...]:
@@ -158,11 +163,28 @@ class DecodeGraphs:
         if not (pool.spare_slot is not None and n > 0 and batch.num_decodes == n and n <= BATCH_SIZES[-1]
                 and batch.logits_indices.shape[0] == n):
             return False
+        if not self.fits(*self.shape(batch, pool), pool):
+            return False
         held = self._pool() if self._pool is not None else None
         if held is None:
             self._reset(pool)
             return True
         return held is pool
+
+    def shape(self, batch: RaggedBatch, pool) -> tuple[int, int]:
+        """(batch size, width in blocks) of the graph that takes ``batch``."""
+        n, bs = batch.num_seqs, pool.block_size
+        need = max(len(t) for t in batch.block_tables)
+        max_blocks = -(-self.model_max_positions() // bs)
+        return (next(b for b in BATCH_SIZES if b >= n),
+                next(w for w in _widths(max(max_blocks, need)) if w >= need))
+
+    @staticmethod
+    def fits(size: int, width: int, pool) -> bool:
+        """Whether a graph of this shape gathers at most ``MAX_GATHER_BYTES`` of keys and values."""
+        k = pool.keys[0]
+        per_block = k[0].numel() * k.element_size()
+        return 2 * size * width * per_block <= MAX_GATHER_BYTES
 
     def capture_all(self, pool, max_seqs: int) -> int:
         """Make every graph a decode batch of up to ``max_seqs`` rows can take, for ``pool``, now
@@ -174,7 +196,7 @@ class DecodeGraphs:
         sizes = [b for b in BATCH_SIZES if b < max_seqs] + [next(b for b in BATCH_SIZES if b >= min(
             max_seqs, BATCH_SIZES[-1]))]
         widths = _widths(-(-self.model_max_positions() // pool.block_size))
-        shapes = [(b, w) for b in sizes for w in widths]
+        shapes = [(b, w) for b in sizes for w in widths if self.fits(b, w, pool)]
         for b, w in tqdm(shapes, desc="capturing decode CUDA graphs", unit="graph", leave=False,
                          disable=not self.capture):
             self._graphs[(b, w)] = self._make(b, w, pool)
@@ -192,10 +214,7 @@ class DecodeGraphs:
         """``model.forward(batch, pool)`` for a decode-only batch: logits ``[n, vocab]`` fp32."""
         self.runs += 1
         n, bs = batch.num_seqs, pool.block_size
-        size = next(b for b in BATCH_SIZES if b >= n)
-        max_blocks = -(-self.model_max_positions() // bs)
-        need = max(len(t) for t in batch.block_tables)
-        width = next((w for w in _widths(max(max_blocks, need)) if w >= need))
+        size, width = self.shape(batch, pool)
         g = self._graphs.get((size, width))
         if g is None:
             g = self._graphs[(size, width)] = self._make(size, width, pool)

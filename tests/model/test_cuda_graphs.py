@@ -156,3 +156,23 @@ def test_capture_all_makes_every_shape_a_decode_batch_can_take(tmp_path):
     from fastgen.batch import SeqInput, build_batch
     batch = build_batch([SeqInput([5], 3, [0], 1)], pool.block_size, torch.device("cpu"))
     assert graphs.takes(batch, pool) and not graphs.takes(batch, other)
+
+
+def test_a_shape_that_would_gather_too_much_is_not_taken(tmp_path, monkeypatch):
+    import fastgen.model.cuda_graphs as cg
+    from fastgen.batch import SeqInput, build_batch
+
+    folder = make_tiny_model(str(tmp_path / "tiny"))
+    eng = pipeline(folder, device="cpu", dtype="float32", kernels="torch").engine
+    pool = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=64,
+                            block_size=16, dtype=torch.float32, device="cpu", spare_blocks=1)
+    graphs = DecodeGraphs(eng.model, capture=False)
+    per_block = pool.keys[0][0].numel() * 4
+    short = build_batch([SeqInput([5], 3, [0], 1)] * 3, 16, torch.device("cpu"))          # 4 rows x 4 blocks
+    long = build_batch([SeqInput([5], 300, list(range(19)), 1)] * 3, 16, torch.device("cpu"))  # 4 x 64 blocks
+    assert graphs.shape(short, pool) == (4, 4) and graphs.shape(long, pool) == (4, 64)
+    monkeypatch.setattr(cg, "MAX_GATHER_BYTES", 2 * 4 * 16 * per_block)
+    assert graphs.takes(short, pool) and not graphs.takes(long, pool)
+    made = graphs.capture_all(pool, 4)
+    assert made == len(graphs._graphs) and all(b * w <= 4 * 16 for b, w in graphs._graphs)
+    assert (4, 16) in graphs._graphs and (4, 64) not in graphs._graphs and (1, 64) in graphs._graphs
