@@ -7,7 +7,7 @@ Weights are random (a GPU machine may not hold the model's files): (1) a 4-layer
 greedy against transformers' ``generate`` on the same device, alone and under a 7-token budget
 that splits, fuses and preempts; (2) a model of the given shape in bf16: decode steps of batch
 1 / 8 / 64 (and 32 at ~2k keys) with ``cuda_graphs`` off and on, and a 2,048-token prefill,
-against the bf16 matmul rate and copy bandwidth measured in the same run. Figures of an H200:
+against the bf16 matmul rate and read bandwidth measured in the same run. Figures of an H200:
 docs/architecture.md, "CUDA: decode steps as CUDA graphs". Also runs on a CPU (``--device cpu``),
 where there are no graphs to compare.
 """
@@ -25,11 +25,6 @@ import torch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:",
            "Here is a short story about a robot who learns to paint. Once upon a time," * 6]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _checkpoint(folder: str, config, tokenizer, dtype: torch.dtype, widen: float) -> str:
@@ -74,72 +69,26 @@ def parity(folder: str, tokenizer, device: torch.device) -> None:
           f"{'none (no graphs here)' if graphs is None else f'{graphs.replays} of {graphs.runs}'}", flush=True)
 
 
-def limits(device: torch.device) -> tuple[float, float]:
-    """bf16 matmul FLOP/s and copy bytes/s (read + write), measured now."""
-    n, size = (8192, 1 << 30) if device.type == "cuda" else (1024, 1 << 26)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    _sync(device)
-    mm = 10 * 2 * n ** 3 / (time.perf_counter() - t)
-    x = torch.empty(size, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    _sync(device)
-    return mm, 10 * 2 * size / (time.perf_counter() - t)
-
-
-def decode_step_s(eng, rng: random.Random, n_seqs: int, context: int, steps: int = 60) -> float:
-    from ..request import SamplingParams
-    from .prefill_decode import random_prompt
-
-    vocab = eng.model_config.vocab_size
-    ids = [eng.add_request(random_prompt(rng, vocab, context),
-                           SamplingParams(max_new_tokens=100_000, do_sample=False, ignore_eos=True))
-           for _ in range(n_seqs)]
-    while sum(1 for o in eng.step() if o.new_token_ids) < n_seqs:
-        pass
-    for _ in range(5):
-        eng.step()
-    _sync(eng.config.device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    _sync(eng.config.device)
-    dt = (time.perf_counter() - t) / steps
-    for rid in ids:
-        eng.abort(rid)
-        eng.response(rid)
-    while eng.has_unfinished():
-        eng.step()
-    return dt
-
-
 def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig
 
     from ..model.loader import default_model_path, load_hf_config, load_tokenizer
     from ..pipeline import pipeline
     from ..request import SamplingParams
-    from .prefill_decode import random_prompt
+    from .machine import measure_matmul, measure_read, model_costs
+    from .prefill_decode import bench_decode, bench_prefill
+    from .timing import FULL
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--like", help="HF folder whose config and tokenizer to copy (default: the embedded SmolLM2)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sizes = dataclasses.replace(FULL, matmul_n=8192 if cuda else 1024, num_decode_steps=60, num_repeats=3)
     src = args.like or default_model_path()
     tokenizer, hf = load_tokenizer(src), load_hf_config(src)
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+    print(f"device {device} ({torch.cuda.get_device_name(device) if cuda else 'cpu'}), "
           f"torch {torch.__version__}; model shape of {src}, random weights", flush=True)
     work = tempfile.mkdtemp(prefix="fastgen-cuda-")
     try:
@@ -148,39 +97,35 @@ def main(argv: list[str] | None = None) -> int:
                             vocab_size=hf.vocab_size, bos_token_id=hf.bos_token_id, eos_token_id=hf.eos_token_id)
         parity(_checkpoint(os.path.join(work, "parity"), small, tokenizer, torch.float32, 0.05), tokenizer, device)
         shaped = _checkpoint(os.path.join(work, "shaped"), hf, tokenizer, torch.bfloat16, 0.0)
-        mm, bw = limits(device)
-        print(f"limits: bf16 matmul {mm / 1e12:.2f} TFLOP/s, copy {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+        mm = measure_matmul(torch.bfloat16, sizes.matmul_n, device, sizes).gflops
+        read = measure_read(sizes.bandwidth_bytes, torch.bfloat16, device, sizes, "1 GiB").gbps
+        print(f"limits: bf16 matmul {mm / 1e3:.2f} TFLOP/s, read {read:.0f} GB/s", flush=True)
         rng = random.Random(0)
+        greedy = SamplingParams(max_new_tokens=10_000, do_sample=False, ignore_eos=True)
         rows = {}
-        for graphs in ((False, True) if device.type == "cuda" else (False,)):
+        for graphs in ((False, True) if cuda else (False,)):
             t0 = time.perf_counter()
             eng = pipeline(shaped, device=str(device), cuda_graphs=graphs).engine
             start = time.perf_counter() - t0
-            wbytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+            costs = model_costs(eng)
             label = "CUDA graphs" if graphs else "eager"
             print(f"[{label}] engine ready in {start:.1f} s ({eng.config.dtype}, budget "
                   f"{eng.config.scheduler.budget_tokens})", flush=True)
             for n, ctx in ((1, 128), (8, 128), (64, 128), (32, 2000)):
-                dt = decode_step_s(eng, rng, n, ctx)
+                dt = bench_decode(eng, n, dataclasses.replace(sizes, decode_prompt_tokens=ctx), greedy,
+                                  rng).step.median_s
                 rows.setdefault((n, ctx), {})[label] = dt
-                extra = f", {100 * wbytes / (bw / 2) / dt:.1f}% of the weights' bandwidth bound" if n == 1 else ""
+                extra = (f", {100 * costs.weight_bytes / (read * 1e9) / dt:.1f}% of the weights' bandwidth "
+                         f"bound" if n == 1 else "")
                 print(f"[{label}] decode batch {n} at ~{ctx} keys: {1e3 * dt:.2f} ms/step, {n / dt:.0f} tokens/s"
                       f"{extra}", flush=True)
-            for _ in range(3):
-                rid = eng.add_request(random_prompt(rng, eng.model_config.vocab_size, 2048),
-                                      SamplingParams(max_new_tokens=1, do_sample=False))
-                _sync(device)
-                t = time.perf_counter()
-                while eng.has_unfinished():
-                    eng.step()
-                _sync(device)
-                dt = time.perf_counter() - t
-                eng.response(rid)
-            print(f"[{label}] prefill of 2,048 tokens: {1e3 * dt:.1f} ms, {2048 / dt:.0f} tokens/s", flush=True)
+            pre = bench_prefill(eng, costs, sizes, mm, rng)
+            print(f"[{label}] prefill of {pre.num_tokens:,} tokens: {pre.tokens_per_s:.0f} tokens/s, "
+                  f"{100 * pre.roofline_ratio:.2f}% of the matmul rate", flush=True)
             del eng
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.empty_cache()
-        if device.type == "cuda":
+        if cuda:
             for (n, ctx), r in rows.items():
                 print(f"decode batch {n} at ~{ctx} keys: CUDA graphs {r['eager'] / r['CUDA graphs']:.2f}x "
                       f"the eager steps' speed", flush=True)

@@ -160,8 +160,9 @@ def bench_decode(engine, batch_size: int, sizes: Sizes, sampling: SamplingParams
     forward_s: list[float] = []
     num_mixed = 0
     try:
-        max_prefill_steps = math.ceil(batch_size * sizes.decode_prompt_tokens
-                                      / engine.config.scheduler.budget_tokens) + 2
+        # the requests that already decode take one token of each step's budget
+        budget = engine.config.scheduler.budget_tokens
+        max_prefill_steps = math.ceil(batch_size * sizes.decode_prompt_tokens / max(1, budget - batch_size)) + 2
         for _ in range(max_prefill_steps):
             started.update(o.request_id for o in engine.step() if o.new_token_ids)
             if len(started) == batch_size:
