@@ -155,21 +155,27 @@ class DecodeGraphs:
             return None
         return cls(model)
 
-    def takes(self, batch: RaggedBatch, pool) -> bool:
-        """A decode-only batch of at most ``BATCH_SIZES[-1]`` rows, over the pool the graphs were
-        made for (a graph holds its tensors' addresses; the first pool with a spare block that
-        comes is adopted, and another only once that one is gone)."""
+    def fit(self, batch: RaggedBatch, pool) -> tuple[int, int] | None:
+        """The (batch size, width) of the graph that takes ``batch``, or None: a decode-only batch
+        of at most ``BATCH_SIZES[-1]`` rows whose graph gathers at most ``MAX_GATHER_BYTES``, over
+        the pool the graphs were made for (a graph holds its tensors' addresses; the first pool
+        with a spare block that comes is adopted, and another only once that one is gone)."""
         n = batch.num_seqs
         if not (pool.spare_slot is not None and n > 0 and batch.num_decodes == n and n <= BATCH_SIZES[-1]
                 and batch.logits_indices.shape[0] == n):
-            return False
-        if not self.fits(*self.shape(batch, pool), pool):
-            return False
+            return None
+        shape = self.shape(batch, pool)
+        if not self.fits(*shape, pool):
+            return None
         held = self._pool() if self._pool is not None else None
         if held is None:
             self._reset(pool)
-            return True
-        return held is pool
+        elif held is not pool:
+            return None
+        return shape
+
+    def takes(self, batch: RaggedBatch, pool) -> bool:
+        return self.fit(batch, pool) is not None
 
     def shape(self, batch: RaggedBatch, pool) -> tuple[int, int]:
         """(batch size, width in blocks) of the graph that takes ``batch``."""
@@ -210,11 +216,12 @@ class DecodeGraphs:
         if self.capture:
             self._mempool = torch.cuda.graph_pool_handle()
 
-    def run(self, batch: RaggedBatch, pool) -> torch.Tensor:
-        """``model.forward(batch, pool)`` for a decode-only batch: logits ``[n, vocab]`` fp32."""
+    def run(self, batch: RaggedBatch, pool, shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """``model.forward(batch, pool)`` for a decode-only batch: logits ``[n, vocab]`` fp32
+        (``shape``: :meth:`fit`'s answer, when the caller has it)."""
         self.runs += 1
         n, bs = batch.num_seqs, pool.block_size
-        size, width = self.shape(batch, pool)
+        size, width = shape or self.shape(batch, pool)
         g = self._graphs.get((size, width))
         if g is None:
             g = self._graphs[(size, width)] = self._make(size, width, pool)

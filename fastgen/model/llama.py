@@ -329,8 +329,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
         graphs = self._decode_graphs()
-        if graphs is not None and graphs.takes(batch, pool):
-            return graphs.run(batch, pool)                         # a decode step as a CUDA graph
+        shape = graphs.fit(batch, pool) if graphs is not None else None
+        if shape is not None:
+            return graphs.run(batch, pool, shape)                  # a decode step as a CUDA graph
         step = self.step(batch, pool)
         residual = self.embed(batch)                               # [T, hidden]
         first = self.layers[0].input_layernorm
@@ -529,9 +530,6 @@ class LayerNormCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
-        graphs = self._decode_graphs()
-        if graphs is not None and graphs.takes(batch, pool):
-            return graphs.run(batch, pool)                         # a decode step as a CUDA graph
         step = self.step(batch, pool)
         x = self.embed(batch)                                      # [T, hidden]
         for layer in self.layers:

@@ -26,9 +26,9 @@ class Spy(DecodeGraphs):
         self.checked = 0
         self.sizes: set[int] = set()
 
-    def run(self, batch, pool):
+    def run(self, batch, pool, shape=None):
         before = [k.clone() for k in pool.keys]
-        got = super().run(batch, pool)
+        got = super().run(batch, pool, shape)
         # every slot that changed is a row's own slot or in the spare block
         real = set(batch.slots.tolist())
         for k0, k1 in zip(before, pool.keys):
