@@ -39,15 +39,21 @@ class Spy(DecodeGraphs):
         return got
 
 
+def _spare_pool(eng, num_blocks=None, block_size=None):
+    """A KV pool shaped for ``eng``'s model with the spare block the static path writes padding to."""
+    return KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads,
+                            num_blocks=num_blocks or eng.config.cache.num_blocks,
+                            block_size=block_size or eng.config.cache.block_size, dtype=eng.config.dtype,
+                            device=eng.config.device, spare_blocks=1)
+
+
 def _engines(tmp_path, device, capture):
     folder = make_tiny_model(str(tmp_path / "tiny"))
     eager = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=16, prefix_caching=False)
     graphed = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=16,
                        prefix_caching=False)
     eng = graphed.engine
-    eng.pool = eng.new_pool(eng.config.cache.num_blocks) if eng.model.graphs_decode else KVPool.for_model(
-        eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=eng.config.cache.num_blocks,
-        block_size=eng.config.cache.block_size, dtype=eng.config.dtype, device=eng.config.device, spare_blocks=1)
+    eng.pool = _spare_pool(eng)
     spy = Spy(eng.model, capture)
     eng.model.__dict__["_graphs"] = spy
     return eager, graphed, spy
@@ -61,7 +67,8 @@ def _check(eager, graphed, spy):
     # sampled requests beside greedy ones, then logits of a decode batch against the eager forward
     eng = graphed.engine
     rid = eng.add_request(PROMPTS[3], SamplingParams(max_new_tokens=8, seed=1))
-    others = [eng.add_request(p, SamplingParams(max_new_tokens=8, do_sample=False)) for p in PROMPTS[:3]]
+    for p in PROMPTS[:3]:
+        eng.add_request(p, SamplingParams(max_new_tokens=8, do_sample=False))
     while eng.has_unfinished():
         eng.step()
     assert eng.response(rid).generated_length == 8
@@ -79,9 +86,7 @@ def test_static_decode_logits_match_the_eager_forward(tmp_path):
     folder = make_tiny_model(str(tmp_path / "tiny"))
     pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch", budget_tokens=64, prefix_caching=False)
     eng = pipe.engine
-    eng.pool = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads,
-                                num_blocks=eng.config.cache.num_blocks, block_size=eng.config.cache.block_size,
-                                dtype=eng.config.dtype, device=eng.config.device, spare_blocks=1)
+    eng.pool = _spare_pool(eng)
     graphs = DecodeGraphs(eng.model, capture=False)
     seen = []
     real_forward = type(eng.model).forward
@@ -124,35 +129,27 @@ def test_graphs_not_taken_on_cpu_or_when_turned_off(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_replays_match_eager_on_cuda(tmp_path):
-    eager_pipe = pipeline(make_tiny_model(str(tmp_path / "t0")), device="cuda", dtype="float32")
-    import os
-    os.environ["FASTGEN_CUDA_GRAPHS"] = "0"
-    try:
-        eager = pipeline(str(tmp_path / "t0"), device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False)
-    finally:
-        del os.environ["FASTGEN_CUDA_GRAPHS"]
-    graphed = pipeline(str(tmp_path / "t0"), device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False)
+    folder = make_tiny_model(str(tmp_path / "t0"))
+    eager = pipeline(folder, device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False,
+                     cuda_graphs=False)
+    graphed = pipeline(folder, device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False)
     assert graphed.engine.model.graphs_decode and graphed.engine.pool.spare_slot is not None
     spy = Spy(graphed.engine.model, capture=True)
     graphed.engine.model.__dict__["_graphs"] = spy
     _check(eager, graphed, spy)
     assert spy.captures >= 2 and spy.replays == spy.checked
-    del eager_pipe
 
 
 def test_capture_all_makes_every_shape_a_decode_batch_can_take(tmp_path):
     folder = make_tiny_model(str(tmp_path / "tiny"))
     eng = pipeline(folder, device="cpu", dtype="float32", kernels="torch", max_seqs=20).engine
-    pool = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=8,
-                            block_size=eng.config.cache.block_size, dtype=eng.config.dtype, device="cpu",
-                            spare_blocks=1)
+    pool = _spare_pool(eng, num_blocks=8)
     graphs = DecodeGraphs(eng.model, capture=False)
     max_blocks = -(-eng.model.ropes[0].cos.shape[0] // pool.block_size)
     assert graphs.capture_all(pool, 20) == 6 * len(_widths(max_blocks))      # 1, 2, 4, 8, 16, 32
     assert {b for b, _ in graphs._graphs} == {1, 2, 4, 8, 16, 32}
     # made for this pool: a batch over another pool is not taken (a graph holds its addresses)
-    other = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=8,
-                             block_size=pool.block_size, dtype=eng.config.dtype, device="cpu", spare_blocks=1)
+    other = _spare_pool(eng, num_blocks=8)
     from fastgen.batch import SeqInput, build_batch
     batch = build_batch([SeqInput([5], 3, [0], 1)], pool.block_size, torch.device("cpu"))
     assert graphs.takes(batch, pool) and not graphs.takes(batch, other)
@@ -164,8 +161,7 @@ def test_a_shape_that_would_gather_too_much_is_not_taken(tmp_path, monkeypatch):
 
     folder = make_tiny_model(str(tmp_path / "tiny"))
     eng = pipeline(folder, device="cpu", dtype="float32", kernels="torch").engine
-    pool = KVPool.for_model(eng.model_config, num_kv_heads=eng.model_config.num_kv_heads, num_blocks=64,
-                            block_size=16, dtype=torch.float32, device="cpu", spare_blocks=1)
+    pool = _spare_pool(eng, num_blocks=64, block_size=16)
     graphs = DecodeGraphs(eng.model, capture=False)
     per_block = pool.keys[0][0].numel() * 4
     short = build_batch([SeqInput([5], 3, [0], 1)] * 3, 16, torch.device("cpu"))          # 4 rows x 4 blocks
