@@ -6,7 +6,9 @@ step time grows almost linearly past a few dozen tokens, and every running decod
 for the whole step: the budget *is* the inter-token latency. So the budget is measured:
 
 1. the forward time of one fresh prompt chunk of ``n`` tokens is measured for a ladder of
-   ``n`` (:data:`LADDER`; a few seconds in all, each point the median of a few calls);
+   ``n`` (:data:`LADDER`; a few seconds in all, each point the median of a few calls), and
+   past its top, doubling up to :data:`MAX_LADDER`, while the step stays under the target
+   (a GPU, where a step of a few thousand tokens costs little more than one of 512);
 2. the *efficiency floor* is the smallest ``n`` whose tokens/s reaches
    :data:`EFFICIENT_FRACTION` of the best on the ladder: below it the products are too
    thin to use the hardware and throughput collapses;
@@ -42,6 +44,7 @@ from .model.spec import local_kv_heads
 log = logging.getLogger(__name__)
 
 LADDER = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+MAX_LADDER = 8192
 EFFICIENT_FRACTION = 0.8
 NUM_REPEATS = 3
 MAX_MEASURE_S = 20.0
@@ -83,7 +86,7 @@ def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: in
         from .kernels import build_name
         h.update(build_name().encode())
     h.update(f"{model_path}|{st.st_size if st else 0}|{st.st_mtime_ns if st else 0}|{dtype}|{kernels}|"
-             f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}".encode()
+             f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}|{MAX_LADDER}".encode()
              + (f"|tp{tensor_parallel_size}".encode() if tensor_parallel_size > 1 else b"")
              + (f"|{precision}".encode() if precision else b""))
     return h.hexdigest()[:16]
@@ -92,33 +95,50 @@ def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: in
 def measure_curve(model: torch.nn.Module, *, model_config, num_kv_heads: int,
                   block_size: int, dtype: torch.dtype, device: torch.device, ladder: tuple[int, ...] = LADDER,
                   max_tokens: int | None = None, progress: Callable[[int], None] | None = None,
-                  ) -> list[tuple[int, float]]:
-    """Median forward ms of one fresh chunk of ``n`` tokens, for each ``n`` of ``ladder``."""
-    sizes = [n for n in ladder if max_tokens is None or n <= max_tokens]
+                  extend_under_ms: float | None = None) -> tuple[list[tuple[int, float]], bool]:
+    """``(curve, complete)``: the median forward ms of one fresh chunk of ``n`` tokens, for each ``n``
+    of ``ladder`` and, while the last step took at most ``extend_under_ms``, for twice the last
+    ``n`` up to :data:`MAX_LADDER`; ``complete`` is False where :data:`MAX_MEASURE_S` cut it short.
+    On a model whose steps run as CUDA graphs the pool has their spare block, so that the curve is
+    measured through them (each size's first call, not timed, captures its graphs)."""
+    limit = max_tokens if max_tokens is not None else MAX_LADDER
+    sizes = [n for n in ladder if n <= limit]
     vocab_size = model_config.vocab_size
-    pool = KVPool.for_model(model_config, num_kv_heads=num_kv_heads, num_blocks=math.ceil(max(sizes) / block_size),
-                            block_size=block_size, dtype=dtype, device=device)
+    spare = 1 if getattr(model, "uses_cuda_graphs", False) else 0
+    pool = None
     gen = torch.Generator().manual_seed(0)
-    curve = []
+    curve: list[tuple[int, float]] = []
     t_start = time.perf_counter()
-    for n in sizes:
+    i = 0
+    while i < len(sizes):
+        n = sizes[i]
+        blocks = math.ceil(n / block_size)
+        if pool is None or pool.num_blocks < blocks:
+            pool = None         # the old one first: CUDA graphs adopt a new pool once the old is gone
+            pool = KVPool.for_model(model_config, num_kv_heads=num_kv_heads,
+                                    num_blocks=max(blocks, math.ceil(sizes[-1] / block_size)), block_size=block_size,
+                                    dtype=dtype, device=device, spare_blocks=spare)
         ids = torch.randint(0, vocab_size, (n,), generator=gen).tolist()
-        batch = build_batch([SeqInput(ids, 0, list(range(math.ceil(n / block_size))), 1)], block_size, device)
+        batch = build_batch([SeqInput(ids, 0, list(range(blocks)), 1)], block_size, device)
         times = []
-        for i in range(NUM_REPEATS + 1):
+        for r in range(NUM_REPEATS + 1):
             t0 = time.perf_counter()
             model(batch, pool)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if i:  # the first call warms up
+            if r:  # the first call warms up
                 times.append(time.perf_counter() - t0)
         curve.append((n, statistics.median(times) * 1e3))
         if progress is not None:
             progress(n)
         if time.perf_counter() - t_start > MAX_MEASURE_S:
             log.warning("budget calibration stopped at %d tokens after %.0f s", n, MAX_MEASURE_S)
-            break
-    return curve
+            return curve, False
+        i += 1
+        if (i == len(sizes) and extend_under_ms is not None and curve[-1][1] <= extend_under_ms
+                and 2 * n <= min(limit, MAX_LADDER)):
+            sizes.append(2 * n)
+    return curve, True
 
 
 def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: float, kernels: str,
@@ -129,31 +149,43 @@ def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: 
     key = _host_key(model_path, shape["dtype"], kernels, num_threads, shape["block_size"], shape["device"],
                     tensor_parallel_size, precision)
     path: Path = cache_dir() / "budget" / f"{key}.json"
-    sizes = [n for n in LADDER if n <= max_tokens]
     curve: list[tuple[int, float]] | None = None
-    cached = False
+    cached = complete = False
     try:
-        curve = [tuple(p) for p in json.loads(path.read_text())["curve"]]
-        cached = len(curve) == len(sizes)       # a partial curve cached by an earlier version: measure again
+        data = json.loads(path.read_text())
+        curve = [tuple(p) for p in data["curve"]]
+        measured = {n for n, _ in curve}
+        # a curve answers this start if it was measured whole, holds every ladder size this start
+        # may use, and stopped climbing past the ladder for a step over this target (or at the top)
+        cached = complete = (data.get("complete") is True
+                             and all(n in measured for n in LADDER if n <= max_tokens)
+                             and (curve[-1][1] > target_itl_ms or 2 * curve[-1][0] > min(max_tokens, MAX_LADDER)))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     if not cached:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(sizes), desc="calibrating token budget", unit="size", leave=False)
-        curve = measure_curve(model, progress=lambda n: bar.update(1), max_tokens=max_tokens, **shape)
+        bar = tqdm(total=len([n for n in LADDER if n <= max_tokens]), desc="calibrating token budget",
+                   unit="size", leave=False)
+
+        def step(n: int) -> None:
+            if bar.n >= bar.total:   # past the ladder's top (a GPU): the bar grows with the curve
+                bar.total += 1
+            bar.update(1)
+        curve, complete = measure_curve(model, progress=step, max_tokens=max_tokens,
+                                        extend_under_ms=target_itl_ms, **shape)
         bar.close()
     # a curve cut short by MAX_MEASURE_S (a slow host, or one busy with other work while this
     # measured: seen here, a machine compiling beside it measured 11.5 s for 16 tokens) is used
     # for this start only, not cached: the next start measures again
-    if not cached and len(curve) < len(sizes):
+    if not complete:
         log.warning("budget calibration not cached: the curve stopped at %d tokens; the next start measures "
                     "again", curve[-1][0])
     elif not cached:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"curve": curve}))
+            tmp.write_text(json.dumps({"curve": curve, "complete": True}))
             tmp.replace(path)
         except OSError as e:
             log.warning("could not cache the budget calibration (%s)", e)

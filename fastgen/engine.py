@@ -82,11 +82,11 @@ class Engine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         cache = config.cache
-        if hasattr(model, "_decode_graphs"):   # the engine option (EngineConfig.cuda_graphs)
+        if hasattr(model, "_step_graphs"):   # the engine option (EngineConfig.cuda_graphs)
             model.__dict__["use_cuda_graphs"] = config.cuda_graphs
         self.pool = self.new_pool(cache.num_blocks)
-        if getattr(model, "graphs_decode", False):   # CUDA graphs of decode steps, made now for this pool
-            model._decode_graphs().capture_all(self.pool, config.scheduler.max_seqs)
+        if getattr(model, "uses_cuda_graphs", False):   # CUDA graphs of steps, made now for this pool
+            model._step_graphs().capture_all(self.pool, config.scheduler.max_seqs, config.scheduler.budget_tokens)
         # Benchmarks' seam: called with the seconds of each model forward (device-synchronised).
         # None (the default) costs one attribute test per step.
         self.forward_observer: Callable[[float], None] | None = None
@@ -114,8 +114,8 @@ class Engine:
         rank holds, head dim, dtype, device, block size): the engine's own, or a private one for
         direct forwards (evaluation, benchmarks) that leaves the engine's blocks alone."""
         mc, cfg = self.model_config, self.config
-        # a spare block for the padding rows of CUDA-graphed decode steps (fastgen/model/cuda_graphs.py)
-        spare = 1 if getattr(self.model, "graphs_decode", False) else 0
+        # a spare block for the padding rows of CUDA-graphed steps (fastgen/model/cuda_graphs.py)
+        spare = 1 if getattr(self.model, "uses_cuda_graphs", False) else 0
         return KVPool.for_model(mc, num_kv_heads=local_kv_heads(self.model, mc), num_blocks=num_blocks,
                                 block_size=cfg.cache.block_size, dtype=cfg.dtype, device=cfg.device,
                                 spare_blocks=spare)
@@ -144,6 +144,8 @@ class Engine:
             # which kernel takes how many rows, measured for this host (before the budget's curve,
             # which runs through them)
             row_limits = calibrate_row_limits(net, config) if config.tensor_parallel_size == 1 else None
+            if hasattr(net, "_step_graphs"):   # the budget's curve runs through CUDA graphs where steps will
+                net.__dict__["use_cuda_graphs"] = config.cuda_graphs
             budget = None
             if opts.budget_tokens == "auto":
                 budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms,

@@ -1,4 +1,4 @@
-"""The engine on a GPU: parity with transformers there, and decode steps eager against CUDA graphs.
+"""The engine on a GPU: parity with transformers there, and steps eager against CUDA graphs.
 
     python -m fastgen.bench.cuda                   # shapes and tokenizer of the embedded SmolLM2
     python -m fastgen.bench.cuda --like DIR        # of an HF folder (its config.json and tokenizer)
@@ -6,9 +6,9 @@
 Weights are random (a GPU machine may not hold the model's files): (1) a 4-layer Llama in fp32,
 greedy against transformers' ``generate`` on the same device, alone and under a 7-token budget
 that splits, fuses and preempts; (2) a model of the given shape in bf16: decode steps of batch
-1 / 8 / 64 (and 32 at ~2k keys) with ``cuda_graphs`` off and on, and a 2,048-token prefill,
+1 / 8 / 64 (and 32 at ~2k keys) and a 2,048-token prefill with ``cuda_graphs`` off and on,
 against the bf16 matmul rate and read bandwidth measured in the same run. Figures of an H200:
-docs/architecture.md, "CUDA: decode steps as CUDA graphs". Also runs on a CPU (``--device cpu``),
+docs/architecture.md, "CUDA: steps as CUDA graphs". Also runs on a CPU (``--device cpu``),
 where there are no graphs to compare.
 """
 from __future__ import annotations
@@ -62,11 +62,12 @@ def parity(folder: str, tokenizer, device: torch.device) -> None:
                                        scheduler=SchedulerConfig(budget_tokens=7, max_seqs=6, reserve_blocks=1)),
                    eng.model, eng.tokenizer, eng.model_config)
     rs = Pipeline(tight)(PROMPTS, max_new_tokens=32, do_sample=False, ignore_eos=True)
-    graphs = eng.model._decode_graphs()
+    graphs = eng.model._step_graphs()
     print(f"greedy == transformers: alone {sum(g == w for g, w in zip(got, want))}/{len(want)}, "
           f"budget 7 with preemption {sum(list(r.token_ids) == w for r, w in zip(rs, want))}/{len(want)} "
-          f"({sum(r.num_preemptions for r in rs)} preemptions); decode steps from CUDA graphs: "
-          f"{'none (no graphs here)' if graphs is None else f'{graphs.replays} of {graphs.runs}'}", flush=True)
+          f"({sum(r.num_preemptions for r in rs)} preemptions); CUDA graphs: "
+          f"{'none here' if graphs is None else f'{graphs.replays} of {graphs.runs} decode steps replayed, '}"
+          f"{'' if graphs is None else f'{graphs.piece_runs} other steps in pieces'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,15 +121,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{label}] decode batch {n} at ~{ctx} keys: {1e3 * dt:.2f} ms/step, {n / dt:.0f} tokens/s"
                       f"{extra}", flush=True)
             pre = bench_prefill(eng, costs, sizes, mm, rng)
-            print(f"[{label}] prefill of {pre.num_tokens:,} tokens: {pre.tokens_per_s:.0f} tokens/s, "
-                  f"{100 * pre.roofline_ratio:.2f}% of the matmul rate", flush=True)
+            rows.setdefault(("prefill", pre.num_tokens), {})[label] = pre.num_tokens / pre.tokens_per_s
+            print(f"[{label}] prefill of {pre.num_tokens:,} tokens in {pre.num_steps} step(s): "
+                  f"{pre.tokens_per_s:.0f} tokens/s, {100 * pre.roofline_ratio:.2f}% of the matmul rate", flush=True)
             del eng
             if cuda:
                 torch.cuda.empty_cache()
         if cuda:
             for (n, ctx), r in rows.items():
-                print(f"decode batch {n} at ~{ctx} keys: CUDA graphs {r['eager'] / r['CUDA graphs']:.2f}x "
-                      f"the eager steps' speed", flush=True)
+                what = f"prefill of {ctx:,} tokens" if n == "prefill" else f"decode batch {n} at ~{ctx} keys"
+                print(f"{what}: CUDA graphs {r['eager'] / r['CUDA graphs']:.2f}x the eager speed", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

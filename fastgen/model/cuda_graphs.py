@@ -1,34 +1,38 @@
-"""CUDA graphs for decode steps: the whole forward of a decode-only batch replayed as one graph.
+"""CUDA graphs for the engine's steps: decode steps replayed whole, steps with prompt work in
+pieces around an eager attention call.
 
-On a GPU the model's work in a decode step is a few milliseconds of kernels at most for a model
-of SmolLM2's size, but the eager forward launches ~400 of them from Python, each with its host
-cost (measured on an H200: a batch-1 decode step took 34.6 ms, 3 ms of it on the GPU). vLLM and
-SGLang capture decode steps as CUDA graphs; so does this module, behind the same model code.
+On a GPU the model's work in a step is a few milliseconds of kernels at most for a model of
+SmolLM2's size, but the eager forward launches ~400 of them from Python, each with its host cost
+(measured on an H200: a batch-1 decode step took 34.6 ms, 3 ms of it on the GPU; a 512-token
+prompt step ~25 ms, most of it host work too). vLLM and SGLang capture steps as CUDA graphs; so
+does this module, behind the same model code.
 
-A graph needs fixed shapes and fixed addresses, so a decode batch of ``n`` sequences runs in the
-graph of the next batch size up (``BATCH_SIZES``) and the next *width* up (blocks per sequence,
-``widths``), and its inputs are copied into that graph's static buffers, in one host-to-device
-copy:
+A graph needs fixed shapes and fixed addresses, so a step's inputs are copied into the static
+buffers of a graph made for the next size up, and the rows past the step's own are padding: token 0
+at position 0, writing its keys and values into the pool's spare block (``KVPool.spare_slot``,
+which the allocator never hands out), so that no sequence's cache is touched by them.
 
-- token ids, positions and KV slots per row; rows past ``n`` are padding: token 0 at position 0,
-  writing its keys and values into the pool's spare block (``KVPool.spare_slot``, which the
-  allocator never hands out), so that no sequence's cache is touched by them;
-- block tables ``[B, W]`` padded with the spare block, and each row's number of keys, from which
-  the graph builds its attention masks (keys past a row's length are masked, as the SDPA
-  backend's decode groups mask them). A shape whose gathered keys and values would exceed
-  ``MAX_GATHER_BYTES`` is not captured; such batches run eagerly.
+**Decode-only steps** of ``n`` sequences run whole in the graph of the next batch size up
+(``BATCH_SIZES``) and the next *width* up (blocks per sequence, ``widths``). Block tables
+``[B, W]`` are padded with the spare block, and each row's number of keys, from which the graph
+builds its attention masks, comes in the same host-to-device copy. Attention in the graph is the
+SDPA backend's decode path with fixed shapes (:class:`StaticDecodeAttention`). A shape whose
+gathered keys and values would exceed ``MAX_GATHER_BYTES`` is not captured.
 
-Attention in the graph is the SDPA backend's decode path (gather the blocks, one masked SDPA call
-for the whole batch: :class:`StaticDecodeAttention`); everything else is the model's own layer
-closures with plain PyTorch ops. Logits of the real rows are copied out of the graph's memory.
+**Any other step** (prompt chunks, mixed steps, decode batches no decode graph takes) of ``T``
+tokens runs in the *pieces* of the next token bucket up (:func:`token_buckets`, up to the token
+budget), as vLLM's piecewise graphs do: per layer, a graph of everything before attention (the
+previous layer's output product, residual adds and norms, its MLP; this layer's QKV product and
+RoPE, and its KV write) and, between two graphs, the attention backend called eagerly on the
+step's real rows, whose shapes and metadata differ in every step. A model of ``L`` layers replays
+``L + 1`` graphs a step; the output head runs eagerly on the rows whose logits are wanted.
 
 Taken only where it runs what the eager forward runs: a CUDA device, the plain PyTorch ops and the
 SDPA backend, every layer a plain ``DecoderLayer`` (Llama, Mistral, Qwen2/3, SmolLM; not Gemma 3's
 own layers or experts, whose routing is data-dependent), no tensor-parallel shards (their products
-finish across ranks), decode-only batches (prompt chunks run
-eagerly), and a pool with a spare block. ``FASTGEN_CUDA_GRAPHS=0`` turns it off (A/B
-measurements). On a CPU the same static path runs without capture, which is how the tests check
-it against the eager forward.
+finish across ranks), and a pool with a spare block. ``FASTGEN_CUDA_GRAPHS=0`` or the engine option
+``cuda_graphs=False`` turns it off. On a CPU the same static paths run without capture, which is
+how the tests check them against the eager forward.
 """
 from __future__ import annotations
 
@@ -62,6 +66,17 @@ def _widths(max_blocks: int) -> tuple[int, ...]:
         out.append(w)
         w *= 4
     return tuple(out) + (max_blocks,)
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Token counts the pieces' graphs are made for: powers of two from 8, and ``max_tokens`` last
+    (a step of ``T`` tokens takes the next one up: at most 2x the rows it needs, and every step of
+    a full budget exactly its own)."""
+    out, t = [], 8
+    while t < max_tokens:
+        out.append(t)
+        t *= 2
+    return tuple(out) + (max_tokens,)
 
 
 @dataclass(frozen=True)
@@ -112,20 +127,53 @@ class _Graph:
         return StaticPlan(self.tables, mask, wm)
 
 
-class DecodeGraphs:
-    """Decode-only steps of ``model`` through static buffers, replayed as CUDA graphs on a GPU."""
+class _Pieces:
+    """The static buffers of steps of up to ``tokens`` tokens, and their pieces: functions on a CPU,
+    captured graphs on a GPU (see the module doc)."""
+
+    def __init__(self, tokens: int, model, device: torch.device) -> None:
+        cfg, dtype = model.config, model.dtype
+        self.tokens = tokens
+        self.ints = torch.zeros(3 * tokens, dtype=torch.long, device=device)
+        self.token_ids, self.positions, self.slots = self.ints[:tokens], self.ints[tokens:2 * tokens], \
+            self.ints[2 * tokens:]
+        self.residual = torch.zeros(tokens, cfg.hidden_size, dtype=dtype, device=device)
+        # one layer's q, k, v (written by the piece before its attention) and attention output (read
+        # by the piece after it); every layer uses the same buffers
+        self.q = torch.zeros(tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(tokens, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.attn = torch.zeros_like(self.q)
+        self.x = torch.zeros(tokens, cfg.hidden_size, dtype=dtype, device=device)   # the final norm's output
+        self.fns: list = []
+        self.graphs: list = []
+
+    def replay(self, i: int) -> None:
+        if self.graphs:
+            self.graphs[i].replay()
+        else:
+            self.fns[i]()
+
+
+class StepGraphs:
+    """Steps of ``model`` through static buffers, replayed as CUDA graphs on a GPU: decode-only
+    steps whole, any other step in pieces (see the module doc)."""
 
     def __init__(self, model, *, capture: bool | None = None) -> None:
         self.model = model
         self.device = model.norm.weight.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pieces: dict[int, _Pieces] = {}
+        # the largest step (tokens) that runs in pieces; capture_all sets it to the token budget
+        self.max_tokens = 8192
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self._attention = StaticDecodeAttention()
         self._pool: Any = None           # weakref to the pool the graphs write (their addresses)
         self.captures = 0
         self.replays = 0
         self.runs = 0
+        self.piece_runs = 0               # steps run in pieces (replayed on a GPU)
 
     @staticmethod
     def supported(model) -> bool:
@@ -149,23 +197,29 @@ class DecodeGraphs:
                    and type(getattr(layer, "mlp", None)) is MLP for layer in model.layers)
 
     @classmethod
-    def build(cls, model) -> "DecodeGraphs | None":
+    def build(cls, model) -> "StepGraphs | None":
         """The graphs of a prepared ``model`` on CUDA, or None where they do not apply."""
         if os.environ.get(ENV, "1") == "0" or not cls.supported(model) or model.norm.weight.device.type != "cuda":
             return None
         return cls(model)
 
-    def fit(self, batch: RaggedBatch, pool) -> tuple[int, int] | None:
-        """The (batch size, width) of the graph that takes ``batch``, or None: a decode-only batch
-        of at most ``BATCH_SIZES[-1]`` rows whose graph gathers at most ``MAX_GATHER_BYTES``, over
-        the pool the graphs were made for (a graph holds its tensors' addresses; the first pool
-        with a spare block that comes is adopted, and another only once that one is gone)."""
-        n = batch.num_seqs
-        if not (pool.spare_slot is not None and n > 0 and batch.num_decodes == n and n <= BATCH_SIZES[-1]
-                and batch.logits_indices.shape[0] == n):
+    def fit(self, batch: RaggedBatch, pool) -> tuple | None:
+        """How ``batch`` runs: ``("decode", batch size, width)`` for a decode-only batch of at most
+        ``BATCH_SIZES[-1]`` rows whose graph gathers at most ``MAX_GATHER_BYTES``; else ``("tokens",
+        bucket)`` for a step of at most ``max_tokens`` tokens; else None (eagerly). Only over the
+        pool the graphs were made for (a graph holds its tensors' addresses; the first pool with a
+        spare block that comes is adopted, and another only once that one is gone)."""
+        n, t = batch.num_seqs, batch.num_tokens
+        if pool.spare_slot is None or n == 0:
             return None
-        shape = self.shape(batch, pool)
-        if not self.fits(*shape, pool):
+        shape: tuple | None = None
+        if batch.num_decodes == n and n <= BATCH_SIZES[-1] and batch.logits_indices.shape[0] == n:
+            size, width = self.shape(batch, pool)
+            if self.fits(size, width, pool):
+                shape = ("decode", size, width)
+        if shape is None and t <= self.max_tokens:
+            shape = ("tokens", next(b for b in token_buckets(self.max_tokens) if b >= t))
+        if shape is None:
             return None
         held = self._pool() if self._pool is not None else None
         if held is None:
@@ -192,36 +246,50 @@ class DecodeGraphs:
         per_block = k[0].numel() * k.element_size()
         return 2 * size * width * per_block <= MAX_GATHER_BYTES
 
-    def capture_all(self, pool, max_seqs: int) -> int:
-        """Make every graph a decode batch of up to ``max_seqs`` rows can take, for ``pool``, now
-        (at start-up, with a progress bar) rather than at each shape's first step: captured while
-        serving, each cost 0.1-0.4 s of that step on an H200. Returns how many were made."""
+    def capture_all(self, pool, max_seqs: int, max_tokens: int | None = None) -> int:
+        """Make every graph a decode batch of up to ``max_seqs`` rows and a step of up to
+        ``max_tokens`` tokens (the token budget) can take, for ``pool``, now (at start-up, with a
+        progress bar) rather than at each shape's first step: captured while serving, each cost
+        0.1-0.4 s of that step on an H200. Returns how many shapes were made."""
         from tqdm import tqdm
 
         self._reset(pool)
+        if max_tokens is not None:
+            self.max_tokens = max_tokens
         sizes = [b for b in BATCH_SIZES if b < max_seqs] + [next(b for b in BATCH_SIZES if b >= min(
             max_seqs, BATCH_SIZES[-1]))]
         widths = _widths(-(-self.model_max_positions() // pool.block_size))
-        shapes = [(b, w) for b in sizes for w in widths if self.fits(b, w, pool)]
-        for b, w in tqdm(shapes, desc="capturing decode CUDA graphs", unit="graph", leave=False,
-                         disable=not self.capture):
-            self._graphs[(b, w)] = self._make(b, w, pool)
+        shapes = [("decode", b, w) for b in sizes for w in widths if self.fits(b, w, pool)]
+        shapes += [("tokens", t) for t in token_buckets(self.max_tokens)]
+        for shape in tqdm(shapes, desc="capturing CUDA graphs", unit="shape", leave=False, disable=not self.capture):
+            if shape[0] == "decode":
+                self._graphs[shape[1:]] = self._make(shape[1], shape[2], pool)
+            else:
+                self._pieces[shape[1]] = self._make_pieces(shape[1], pool)
         return len(shapes)
 
     def _reset(self, pool) -> None:
         """Drop every graph and adopt ``pool``; the next graphs get a memory pool of their own (the
         caching allocator refuses to capture into a graph pool whose graphs were all freed)."""
         self._graphs.clear()
+        self._pieces.clear()
         self._pool = weakref.ref(pool)
         if self.capture:
             self._mempool = torch.cuda.graph_pool_handle()
 
-    def run(self, batch: RaggedBatch, pool, shape: tuple[int, int] | None = None) -> torch.Tensor:
-        """``model.forward(batch, pool)`` for a decode-only batch: logits ``[n, vocab]`` fp32
-        (``shape``: :meth:`fit`'s answer, when the caller has it)."""
+    def run(self, batch: RaggedBatch, pool, shape: tuple | None = None) -> torch.Tensor:
+        """``model.forward(batch, pool)``: logits ``[len(batch.logits_indices), vocab]`` fp32 (``shape``:
+        :meth:`fit`'s answer, when the caller has it)."""
+        shape = shape or self.fit(batch, pool)
+        if shape is None:
+            raise ValueError("this step fits no CUDA graph (StepGraphs.fit)")
+        if shape[0] == "tokens":
+            return self._run_pieces(batch, pool, shape[1])
+        return self._run_decode(batch, pool, shape[1], shape[2])
+
+    def _run_decode(self, batch: RaggedBatch, pool, size: int, width: int) -> torch.Tensor:
         self.runs += 1
         n, bs = batch.num_seqs, pool.block_size
-        size, width = shape or self.shape(batch, pool)
         g = self._graphs.get((size, width))
         if g is None:
             g = self._graphs[(size, width)] = self._make(size, width, pool)
@@ -297,3 +365,108 @@ class DecodeGraphs:
         log.info("captured a CUDA graph for decode batches of %d x %d blocks in %.2f s",
                  size, width, time.perf_counter() - t0)
         return g
+
+    def _run_pieces(self, batch: RaggedBatch, pool, tokens: int) -> torch.Tensor:
+        """A step in the pieces of ``tokens`` tokens: per layer a replay, then the attention
+        backend on the step's real rows (its plan built once, as the eager forward builds it)."""
+        from .llama import Step
+
+        self.piece_runs += 1
+        p = self._pieces.get(tokens)
+        if p is None:
+            p = self._pieces[tokens] = self._make_pieces(tokens, pool)
+        n, model = batch.num_tokens, self.model
+        p.token_ids[:n].copy_(batch.token_ids)
+        p.positions[:n].copy_(batch.positions)
+        p.slots[:n].copy_(batch.slots)
+        if n < tokens:
+            p.token_ids[n:].zero_()
+            p.positions[n:].zero_()
+            p.slots[n:].fill_(pool.spare_slot)
+        step = Step(batch, pool, model.attention.plan(batch), model.ops, model.attention, tuple(model.ropes))
+        q, k, v, out = p.q[:n], p.k[:n], p.v[:n], p.attn[:n]
+        for i, attend in enumerate(self._attends()):
+            p.replay(i)
+            out.copy_(attend(q, k, v, step))
+        p.replay(len(model.layers))
+        return model.head(p.x[:n][batch.logits_indices]).float()
+
+    def _attends(self) -> list:
+        """Each layer's attention call (``DecoderLayer.bind_parts``), made once."""
+        attends = getattr(self, "_attend_fns", None)
+        if attends is None:
+            attends = self._attend_fns = [parts[1] for parts in self._layer_parts()]
+        return attends
+
+    def _layer_parts(self) -> list[tuple]:
+        layers = list(self.model.layers)
+        return [layer.bind_parts(layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
+                for i, layer in enumerate(layers)]
+
+    def _piece_fns(self, p: _Pieces, pool) -> list:
+        """The ``L + 1`` pieces over ``p``'s buffers. Each call takes a fresh ops object and step
+        (TorchOps caches a step's RoPE tables by its positions tensor: a graph must compute them,
+        not find them)."""
+        from ..kernels.ops import TorchOps
+        from .llama import Step
+
+        model, parts = self.model, self._layer_parts()
+        t = p.tokens
+        batch = RaggedBatch(token_ids=p.token_ids, positions=p.positions, slots=p.slots,
+                            logits_indices=torch.zeros(0, dtype=torch.long, device=self.device),
+                            order=(0,), q_starts=(0, t), start_pos=(0,), block_tables=((0,),), num_decodes=0,
+                            block_size=pool.block_size)
+        ropes = tuple(model.ropes)
+
+        def step() -> Step:
+            return Step(batch, pool, None, TorchOps(), None, ropes)
+
+        def project(i: int, x: torch.Tensor, s: Step) -> None:
+            q, k, v = parts[i][0](x, s)
+            p.q.copy_(q)
+            p.k.copy_(k)
+            p.v.copy_(v)
+
+        def first() -> None:
+            s = step()
+            with torch.inference_mode():
+                p.residual.copy_(model.embed(batch))
+                norm = model.layers[0].input_layernorm
+                project(0, s.ops.rms_norm(p.residual, norm.weight, norm.eps), s)
+
+        def middle(i: int):
+            def run() -> None:
+                s = step()
+                with torch.inference_mode():
+                    x = parts[i - 1][2](p.attn, p.residual, s)
+                    if i < len(parts):
+                        project(i, x, s)
+                    else:
+                        p.x.copy_(x)
+            return run
+        return [first] + [middle(i) for i in range(1, len(parts) + 1)]
+
+    def _make_pieces(self, tokens: int, pool) -> _Pieces:
+        p = _Pieces(tokens, self.model, self.device)
+        p.slots.fill_(pool.spare_slot)        # every row is padding until the first real fill
+        fns = self._piece_fns(p, pool)
+        if not self.capture:
+            p.fns = fns
+            return p
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for fn in fns:
+                    fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for fn in fns:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                fn()
+            p.graphs.append(graph)
+        self.captures += len(fns)
+        log.info("captured %d CUDA graph pieces for steps of %d tokens in %.2f s", len(fns), tokens,
+                 time.perf_counter() - t0)
+        return p

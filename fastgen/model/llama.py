@@ -125,23 +125,39 @@ class Attention(nn.Module):
             heads = qkv[:, lo:hi].reshape(-1, self.head_dim).contiguous()   # [T * heads, D], a copy
             qkv[:, lo:hi] = ops.rms_norm(heads, norm.weight, norm.eps).view(t, hi - lo)
 
-    def bind(self) -> Callable[[torch.Tensor, Step], torch.Tensor]:
-        """``forward`` as a closure over this module's parts and settings (see
-        :meth:`LlamaForCausalLM.forward`: the step's loop runs the closures)."""
+    def bind_parts(self) -> tuple[Callable, Callable, Callable]:
+        """``forward`` in three closures over this module's parts and settings: ``project(x,
+        step) -> (q, k, v)`` (QKV product, head norms, RoPE, the KV write into the pool),
+        ``attend(q, k, v, step) -> o`` (the step's attention backend) and ``finish(o) ->
+        o_proj(o)``. CUDA graphs capture the first and last and run attention between them
+        (fastgen/model/cuda_graphs.py)."""
         qkv_proj, o_proj, norm_heads = self.qkv_proj, self.o_proj, self.q_norm is not None
         layer, rope_index, scale, window = self.layer, self.rope_index, self.scale, self.window
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
 
-        def attend(x: torch.Tensor, step: Step) -> torch.Tensor:
+        def project(x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             qkv = qkv_proj(x)                                           # [T, (H + 2 KVH) * D]
             if norm_heads:
                 self._norm_heads(qkv, step.ops)
             rope, batch = step.ropes[rope_index], step.batch
-            q, k, v = step.ops.rope_write_kv(qkv, batch.positions, rope.cos, rope.sin, batch.slots, step.pool,
-                                             layer, heads, kv_heads, head_dim)   # [T, H, D], [T, KVH, D] x 2
-            o = step.attention(layer, q, k, v, step.plan, step.pool, scale, window)   # [T, H, D]
-            return o_proj(o.reshape(x.shape[0], -1))
-        return attend
+            return step.ops.rope_write_kv(qkv, batch.positions, rope.cos, rope.sin, batch.slots, step.pool,
+                                          layer, heads, kv_heads, head_dim)   # [T, H, D], [T, KVH, D] x 2
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+            return step.attention(layer, q, k, v, step.plan, step.pool, scale, window)   # [T, H, D]
+
+        def finish(o: torch.Tensor) -> torch.Tensor:
+            return o_proj(o.reshape(o.shape[0], -1))
+        return project, attend, finish
+
+    def bind(self) -> Callable[[torch.Tensor, Step], torch.Tensor]:
+        """``forward`` as a closure over this module's parts and settings (see
+        :meth:`LlamaForCausalLM.forward`: the step's loop runs the closures)."""
+        project, attend, finish = self.bind_parts()
+
+        def run(x: torch.Tensor, step: Step) -> torch.Tensor:
+            return finish(attend(*project(x, step), step))
+        return run
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         return self.bind()(x, step)
@@ -203,17 +219,36 @@ class DecoderLayer(nn.Module):
         4.6 ms one-token forward (~450 lookups and 60 calls through nn.Module's machinery).
         Hooks on this layer and on its attention are not run; on its MLP (or MoE block) they are
         unless it is a plain MLP (see :func:`bound`)."""
-        attend, feed = bound(self.self_attn), bound(self.mlp)
-        post = self.post_attention_layernorm
-        post_w, post_eps, next_w, next_eps = post.weight, post.eps, next_norm.weight, next_norm.eps
+        attend, post = bound(self.self_attn), self._post(None, next_norm)
 
         def run(normed: torch.Tensor, residual: torch.Tensor, step: Step) -> torch.Tensor:
-            a = attend(normed, step)
+            return post(attend(normed, step), residual, step)
+        return run
+
+    def bind_parts(self, next_norm: RMSNorm) -> tuple[Callable, Callable, Callable]:
+        """:meth:`bind` split around attention (a plain :class:`Attention` only):
+        ``pre(normed, step) -> (q, k, v)``, ``attend(q, k, v, step) -> o`` and
+        ``post(o, residual, step) -> next normed`` (the output product, both residual adds and
+        norms, the MLP). CUDA graphs capture ``pre`` and ``post`` (fastgen/model/cuda_graphs.py)."""
+        project, attend, finish = self.self_attn.bind_parts()
+        return project, attend, self._post(finish, next_norm)
+
+    def _post(self, finish: Callable | None, next_norm: RMSNorm) -> Callable:
+        """``post(a, residual, step) -> next normed``: ``finish(a)`` (the attention's output
+        product, where ``a`` is not its result yet), the residual add and norm, the MLP, the
+        residual add and ``next_norm``."""
+        feed = bound(self.mlp)
+        post_norm = self.post_attention_layernorm
+        post_w, post_eps, next_w, next_eps = post_norm.weight, post_norm.eps, next_norm.weight, next_norm.eps
+
+        def post(a: torch.Tensor, residual: torch.Tensor, step: Step) -> torch.Tensor:
+            if finish is not None:
+                a = finish(a)
             step.ops.add_rms_norm_(a, residual, post_w, post_eps)
             m = feed(a, step.ops)
             step.ops.add_rms_norm_(m, residual, next_w, next_eps)
             return m
-        return run
+        return post
 
     def forward(self, normed: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, step: Step) -> torch.Tensor:
         """``normed`` = this layer's input norm of ``residual``; updates ``residual`` in place
@@ -294,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
                 self.head.quant_parts[0] = self._embed_quant
         self.__dict__["_runs"] = None      # the layers' closures are bound again on the next forward
         self.__dict__["_stack"] = None     # and the native stack built again (fastgen/model/stack.py)
-        self.__dict__["_graphs"] = None    # and the decode graphs (fastgen/model/cuda_graphs.py)
+        self.__dict__["_graphs"] = None    # and the CUDA graphs (fastgen/model/cuda_graphs.py)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(formatter(m))
@@ -328,10 +363,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
-        graphs = self._decode_graphs()
+        graphs = self._step_graphs()
         shape = graphs.fit(batch, pool) if graphs is not None else None
         if shape is not None:
-            return graphs.run(batch, pool, shape)                  # a decode step as a CUDA graph
+            return graphs.run(batch, pool, shape)                  # as CUDA graphs (fastgen/model/cuda_graphs.py)
         step = self.step(batch, pool)
         residual = self.embed(batch)                               # [T, hidden]
         first = self.layers[0].input_layernorm
@@ -344,23 +379,23 @@ class LlamaForCausalLM(nn.Module):
                 x = run(x, residual, step)                         # x = the next norm of residual
         return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
 
-    def _decode_graphs(self):
-        """CUDA graphs of decode steps (fastgen/model/cuda_graphs.py), built once after prepare();
-        None where they do not apply (a CPU, other ops or layers, the engine option ``cuda_graphs=False``,
+    def _step_graphs(self):
+        """CUDA graphs of steps (fastgen/model/cuda_graphs.py), built once after prepare(); None where
+        they do not apply (a CPU, other ops or layers, the engine option ``cuda_graphs=False``,
         ``FASTGEN_CUDA_GRAPHS=0``)."""
         if not self.__dict__.get("use_cuda_graphs", True):   # the engine's cuda_graphs=False
             return None
         graphs = self.__dict__.get("_graphs")
         if graphs is None:
-            from .cuda_graphs import DecodeGraphs
-            graphs = DecodeGraphs.build(self) or False
+            from .cuda_graphs import StepGraphs
+            graphs = StepGraphs.build(self) or False
             self.__dict__["_graphs"] = graphs
         return graphs or None
 
     @property
-    def graphs_decode(self) -> bool:
-        """Whether decode steps run as CUDA graphs: the engine's pool then has a spare block."""
-        return self._decode_graphs() is not None
+    def uses_cuda_graphs(self) -> bool:
+        """Whether steps run as CUDA graphs: the engine's pool then has a spare block."""
+        return self._step_graphs() is not None
 
     def _native_stack(self):
         """The layers as one native call for decode rows (fastgen/model/stack.py), built once after

@@ -1,13 +1,13 @@
-"""Decode steps through the static buffers of fastgen/model/cuda_graphs.py give what the eager
-forward gives: on a CPU without capture (every machine), and replayed as CUDA graphs where a GPU
-is present."""
+"""Steps through the static buffers of fastgen/model/cuda_graphs.py (decode steps whole, other
+steps in pieces around attention) give what the eager forward gives: on a CPU without capture
+(every machine), and replayed as CUDA graphs where a GPU is present."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from fastgen.cache import KVPool
-from fastgen.model.cuda_graphs import BATCH_SIZES, DecodeGraphs, _widths
+from fastgen.model.cuda_graphs import BATCH_SIZES, StepGraphs, _widths, token_buckets
 from fastgen.pipeline import Pipeline, pipeline
 from fastgen.request import SamplingParams
 from tests.tiny_model import make_tiny_model
@@ -17,14 +17,17 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"
            "a b c d e f g"]
 
 
-class Spy(DecodeGraphs):
-    """Runs the static path and, beside it, the eager forward on a copy of the pool: their logits
-    must agree, and the padding rows must write the spare block only."""
+class Spy(StepGraphs):
+    """Runs the static paths and checks that the padding rows write the spare block only; counts
+    the steps of each kind and the padded sizes they took."""
 
     def __init__(self, model, capture):
         super().__init__(model, capture=capture)
-        self.checked = 0
+        self.checked = 0              # decode steps
+        self.pieces_checked = 0       # other steps
         self.sizes: set[int] = set()
+        self.buckets: set[int] = set()
+        self.padded = 0               # other steps with padding rows
 
     def run(self, batch, pool, shape=None):
         before = [k.clone() for k in pool.keys]
@@ -34,8 +37,15 @@ class Spy(DecodeGraphs):
         for k0, k1 in zip(before, pool.keys):
             changed = (k0 != k1).reshape(k0.shape[0] * k0.shape[1], -1).any(-1).nonzero().flatten().tolist()
             assert set(changed) <= real | set(range(pool.spare_slot, pool.spare_slot + pool.block_size))
-        self.sizes.add(next(b for b in BATCH_SIZES if b >= batch.num_seqs))
-        self.checked += 1
+        kind = (shape or self.fit(batch, pool))[0]
+        if kind == "decode":
+            self.sizes.add(next(b for b in BATCH_SIZES if b >= batch.num_seqs))
+            self.checked += 1
+        else:
+            bucket = next(b for b in token_buckets(self.max_tokens) if b >= batch.num_tokens)
+            self.buckets.add(bucket)
+            self.padded += bucket > batch.num_tokens
+            self.pieces_checked += 1
         return got
 
 
@@ -49,12 +59,13 @@ def _spare_pool(eng, num_blocks=None, block_size=None):
 
 def _engines(tmp_path, device, capture):
     folder = make_tiny_model(str(tmp_path / "tiny"))
-    eager = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=16, prefix_caching=False)
-    graphed = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=16,
+    eager = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=12, prefix_caching=False)
+    graphed = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=12,
                        prefix_caching=False)
     eng = graphed.engine
     eng.pool = _spare_pool(eng)
     spy = Spy(eng.model, capture)
+    spy.max_tokens = 16                   # over the budget of 12: full steps have padding rows
     eng.model.__dict__["_graphs"] = spy
     return eager, graphed, spy
 
@@ -64,6 +75,7 @@ def _check(eager, graphed, spy):
     got = [list(r.token_ids) for r in graphed(PROMPTS, max_new_tokens=20, do_sample=False, ignore_eos=True)]
     assert got == want
     assert spy.checked > 10 and len(spy.sizes) >= 2     # decode batches of several padded sizes
+    assert spy.pieces_checked > 5 and spy.padded > 0    # prompt and mixed steps, some with padding rows
     # sampled requests beside greedy ones, then logits of a decode batch against the eager forward
     eng = graphed.engine
     rid = eng.add_request(PROMPTS[3], SamplingParams(max_new_tokens=8, seed=1))
@@ -81,29 +93,43 @@ def test_static_decode_path_matches_eager_on_cpu(tmp_path):
     assert spy.captures == 0
 
 
-def test_static_decode_logits_match_the_eager_forward(tmp_path):
-    """One decode batch of 3 (padded to 4): the static path's logits against model.forward's."""
+def test_static_logits_match_the_eager_forward(tmp_path):
+    """Decode batches (3 padded to 4), prompt chunks, continuing chunks and mixed steps, prompt
+    logprobs' many rows a sequence included: the static paths' logits against model.forward's."""
     folder = make_tiny_model(str(tmp_path / "tiny"))
-    pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch", budget_tokens=64, prefix_caching=False)
+    pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch", budget_tokens=24, prefix_caching=False)
     eng = pipe.engine
     eng.pool = _spare_pool(eng)
-    graphs = DecodeGraphs(eng.model, capture=False)
+    graphs = StepGraphs(eng.model, capture=False)
+    graphs.max_tokens = 24
     seen = []
     real_forward = type(eng.model).forward
 
     def spy(model, batch, pool):
         out = real_forward(model, batch, pool)
-        if graphs.takes(batch, pool):
-            seen.append((out, graphs.run(batch, pool)))
+        shape = graphs.fit(batch, pool)
+        if shape is not None:
+            seen.append((shape[0], batch.num_decodes < batch.num_seqs and batch.num_decodes > 0, out,
+                         graphs.run(batch, pool, shape)))
         return out
     type(eng.model).forward, saved = spy, real_forward
     try:
         pipe(PROMPTS[:3], max_new_tokens=6, do_sample=False, ignore_eos=True)
+        pipe(PROMPTS[3:], max_new_tokens=3, do_sample=False, ignore_eos=True, prompt_logprobs=2)
     finally:
         type(eng.model).forward = saved
-    assert len(seen) >= 5
-    for want, got in seen:
+    kinds = [k for k, _, _, _ in seen]
+    assert kinds.count("decode") >= 5 and kinds.count("tokens") >= 4
+    assert any(mixed for _, mixed, _, _ in seen)                   # a step with decodes and a chunk
+    assert max(got.shape[0] for _, _, _, got in seen) > 4           # many logits rows (prompt logprobs)
+    for _, _, want, got in seen:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_token_buckets():
+    assert token_buckets(512) == (8, 16, 32, 64, 128, 256, 512)
+    assert token_buckets(384) == (8, 16, 32, 64, 128, 256, 384)
+    assert token_buckets(5) == (5,)
 
 
 def test_widths_cover_every_context():
@@ -115,39 +141,43 @@ def test_widths_cover_every_context():
 def test_graphs_not_taken_on_cpu_or_when_turned_off(tmp_path, monkeypatch):
     folder = make_tiny_model(str(tmp_path / "tiny"))
     pipe = pipeline(folder, device="cpu", dtype="float32", kernels="torch")
-    assert not pipe.engine.model.graphs_decode and pipe.engine.pool.spare_slot is None
+    assert not pipe.engine.model.uses_cuda_graphs and pipe.engine.pool.spare_slot is None
     # what the static path runs is this model's eager forward; with the native kernels it is not
-    assert DecodeGraphs.supported(pipe.engine.model)
-    assert not DecodeGraphs.supported(pipeline(folder, device="cpu", dtype="float32", kernels="native").engine.model)
+    assert StepGraphs.supported(pipe.engine.model)
+    assert not StepGraphs.supported(pipeline(folder, device="cpu", dtype="float32", kernels="native").engine.model)
     if torch.cuda.is_available():
         off = pipeline(folder, device="cuda", dtype="float32", cuda_graphs=False)
-        assert not off.engine.model.graphs_decode and off.engine.pool.spare_slot is None
+        assert not off.engine.model.uses_cuda_graphs and off.engine.pool.spare_slot is None
         monkeypatch.setenv("FASTGEN_CUDA_GRAPHS", "0")
         gpu = pipeline(folder, device="cuda", dtype="float32")
-        assert not gpu.engine.model.graphs_decode
+        assert not gpu.engine.model.uses_cuda_graphs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_replays_match_eager_on_cuda(tmp_path):
     folder = make_tiny_model(str(tmp_path / "t0"))
-    eager = pipeline(folder, device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False,
+    eager = pipeline(folder, device="cuda", dtype="float32", budget_tokens=12, prefix_caching=False,
                      cuda_graphs=False)
-    graphed = pipeline(folder, device="cuda", dtype="float32", budget_tokens=16, prefix_caching=False)
-    assert graphed.engine.model.graphs_decode and graphed.engine.pool.spare_slot is not None
+    graphed = pipeline(folder, device="cuda", dtype="float32", budget_tokens=12, prefix_caching=False)
+    assert graphed.engine.model.uses_cuda_graphs and graphed.engine.pool.spare_slot is not None
     spy = Spy(graphed.engine.model, capture=True)
+    spy.max_tokens = 16
     graphed.engine.model.__dict__["_graphs"] = spy
     _check(eager, graphed, spy)
-    assert spy.captures >= 2 and spy.replays == spy.checked
+    assert spy.captures >= 2 and spy.replays == spy.checked and spy.pieces_checked > 5
 
 
-def test_capture_all_makes_every_shape_a_decode_batch_can_take(tmp_path):
+def test_capture_all_makes_every_shape_a_step_can_take(tmp_path):
     folder = make_tiny_model(str(tmp_path / "tiny"))
     eng = pipeline(folder, device="cpu", dtype="float32", kernels="torch", max_seqs=20).engine
     pool = _spare_pool(eng, num_blocks=8)
-    graphs = DecodeGraphs(eng.model, capture=False)
+    graphs = StepGraphs(eng.model, capture=False)
     max_blocks = -(-eng.model.ropes[0].cos.shape[0] // pool.block_size)
-    assert graphs.capture_all(pool, 20) == 6 * len(_widths(max_blocks))      # 1, 2, 4, 8, 16, 32
+    # decode batches of 1, 2, 4, 8, 16, 32 rows at every width; steps of 8, 16, 32, 48 tokens
+    assert graphs.capture_all(pool, 20, 48) == 6 * len(_widths(max_blocks)) + 4
     assert {b for b, _ in graphs._graphs} == {1, 2, 4, 8, 16, 32}
+    assert sorted(graphs._pieces) == [8, 16, 32, 48] and graphs.max_tokens == 48
+    assert all(len(p.fns) == eng.model_config.num_layers + 1 for p in graphs._pieces.values())
     # made for this pool: a batch over another pool is not taken (a graph holds its addresses)
     other = _spare_pool(eng, num_blocks=8)
     from fastgen.batch import SeqInput, build_batch
@@ -162,13 +192,14 @@ def test_a_shape_that_would_gather_too_much_is_not_taken(tmp_path, monkeypatch):
     folder = make_tiny_model(str(tmp_path / "tiny"))
     eng = pipeline(folder, device="cpu", dtype="float32", kernels="torch").engine
     pool = _spare_pool(eng, num_blocks=64, block_size=16)
-    graphs = DecodeGraphs(eng.model, capture=False)
+    graphs = StepGraphs(eng.model, capture=False)
     per_block = pool.keys[0][0].numel() * 4
     short = build_batch([SeqInput([5], 3, [0], 1)] * 3, 16, torch.device("cpu"))          # 4 rows x 4 blocks
     long = build_batch([SeqInput([5], 300, list(range(19)), 1)] * 3, 16, torch.device("cpu"))  # 4 x 64 blocks
     assert graphs.shape(short, pool) == (4, 4) and graphs.shape(long, pool) == (4, 64)
     monkeypatch.setattr(cg, "MAX_GATHER_BYTES", 2 * 4 * 16 * per_block)
-    assert graphs.takes(short, pool) and not graphs.takes(long, pool)
-    made = graphs.capture_all(pool, 4)
-    assert made == len(graphs._graphs) and all(b * w <= 4 * 16 for b, w in graphs._graphs)
+    # the long batch runs in the pieces of 8 tokens instead: attention eager, no gather in a graph
+    assert graphs.fit(short, pool) == ("decode", 4, 4) and graphs.fit(long, pool) == ("tokens", 8)
+    made = graphs.capture_all(pool, 4, 16)
+    assert made == len(graphs._graphs) + 2 and all(b * w <= 4 * 16 for b, w in graphs._graphs)
     assert (4, 16) in graphs._graphs and (4, 64) not in graphs._graphs and (1, 64) in graphs._graphs

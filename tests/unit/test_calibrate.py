@@ -90,3 +90,29 @@ def test_the_cache_key_follows_the_native_kernels_build(tmp_path, monkeypatch):
     assert native_a != native_b
     assert torch_a == torch_b
     assert native_b == calibrate._host_key(*args, "native", *rest)
+
+
+def test_the_curve_climbs_past_the_ladder_while_steps_stay_under_the_target(tmp_path, monkeypatch):
+    """Past the ladder's top the curve doubles while the last step stayed under the target (a GPU,
+    where big steps cost little more than small ones), up to max_tokens; a cached curve that stopped
+    climbing for a lower target is measured again for a higher one."""
+    import torch
+
+    from fastgen import calibrate
+    from fastgen.model.loader import load_model
+
+    from ..model.test_parity import _tiny_configs, random_checkpoint
+
+    random_checkpoint(_tiny_configs()["llama"], tmp_path / "ckpt")
+    model = load_model(str(tmp_path / "ckpt"), dtype=torch.float32, device=torch.device("cpu"), max_positions=1100,
+                       kernels="torch")
+    monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path / "cache"))
+    kw = dict(model_path=str(tmp_path / "ckpt"), kernels="torch", num_threads=1, max_tokens=1100,
+              model_config=model.config, num_kv_heads=model.config.num_kv_heads, block_size=16,
+              dtype=torch.float32, device=torch.device("cpu"))
+    low = calibrate.calibrate_budget(model, target_itl_ms=1e-6, **kw)      # every step over the target
+    assert [n for n, _ in low.curve] == list(calibrate.LADDER)
+    high = calibrate.calibrate_budget(model, target_itl_ms=1e6, **kw)     # every step under it
+    assert not high.cached and [n for n, _ in high.curve] == [*calibrate.LADDER, 1024]
+    assert high.budget_tokens == 1024
+    assert calibrate.calibrate_budget(model, target_itl_ms=1e6, **kw).cached
