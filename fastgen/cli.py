@@ -37,7 +37,8 @@ _ENGINE_HELP = {
     "int8_activations": "int8 activations (VNNI) for prompt rows of quantized layers, and for decode rows where "
                         "qgemv has no bf16 dot products (faster, less exact; default: on unless --dtype "
                         "float32 is given)",
-    "cuda_graphs": "on a GPU, decode steps replayed as CUDA graphs captured at start-up; --no-cuda-graphs runs "
+    "cuda_graphs": "on a GPU, steps replayed as CUDA graphs captured at start-up (decode steps whole, others in "
+                   "per-layer pieces around attention); --no-cuda-graphs runs "
                    "every step eagerly (vLLM's --enforce-eager); no effect on a CPU",
     "tensor_parallel_size": "ranks of one replica, each holding 1/N of the weights and KV cache (one process "
                             "per rank, started by fastgen, or by torchrun across machines)",

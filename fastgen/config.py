@@ -183,7 +183,7 @@ class EngineOptions:
     int8_activations: bool | None = None
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
-    # decode steps replayed as CUDA graphs on a GPU (fastgen/model/cuda_graphs.py); False runs every
+    # steps replayed as CUDA graphs on a GPU (fastgen/model/cuda_graphs.py); False runs every
     # step eagerly (vLLM's --enforce-eager); no effect on a CPU
     cuda_graphs: bool = True
 

@@ -36,6 +36,7 @@ how the tests check them against the eager forward.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -99,6 +100,11 @@ class StaticDecodeAttention:
             attn_mask=plan.window_masks[window] if window else plan.mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return o.squeeze(2)                                               # [B, H, D]
+
+
+class CaptureFailed(RuntimeError):
+    """A graph could not be made (raised once; from then on :meth:`StepGraphs.fit` takes no step and
+    the model runs eagerly)."""
 
 
 class _Graph:
@@ -174,6 +180,7 @@ class StepGraphs:
         self.replays = 0
         self.runs = 0
         self.piece_runs = 0               # steps run in pieces (replayed on a GPU)
+        self.failed: str | None = None    # why a capture failed: no graphs are taken after it
 
     @staticmethod
     def supported(model) -> bool:
@@ -210,7 +217,7 @@ class StepGraphs:
         pool the graphs were made for (a graph holds its tensors' addresses; the first pool with a
         spare block that comes is adopted, and another only once that one is gone)."""
         n, t = batch.num_seqs, batch.num_tokens
-        if pool.spare_slot is None or n == 0:
+        if pool.spare_slot is None or n == 0 or self.failed is not None:
             return None
         shape: tuple | None = None
         if batch.num_decodes == n and n <= BATCH_SIZES[-1] and batch.logits_indices.shape[0] == n:
@@ -262,10 +269,15 @@ class StepGraphs:
         shapes = [("decode", b, w) for b in sizes for w in widths if self.fits(b, w, pool)]
         shapes += [("tokens", t) for t in token_buckets(self.max_tokens)]
         for shape in tqdm(shapes, desc="capturing CUDA graphs", unit="shape", leave=False, disable=not self.capture):
-            if shape[0] == "decode":
-                self._graphs[shape[1:]] = self._make(shape[1], shape[2], pool)
-            else:
-                self._pieces[shape[1]] = self._make_pieces(shape[1], pool)
+            try:
+                if shape[0] == "decode":
+                    self._graphs[shape[1:]] = self._make(shape[1], shape[2], pool)
+                else:
+                    self._pieces[shape[1]] = self._make_pieces(shape[1], pool)
+            except CaptureFailed:
+                self._graphs.clear()
+                self._pieces.clear()
+                return 0
         return len(shapes)
 
     def _reset(self, pool) -> None:
@@ -274,8 +286,7 @@ class StepGraphs:
         self._graphs.clear()
         self._pieces.clear()
         self._pool = weakref.ref(pool)
-        if self.capture:
-            self._mempool = torch.cuda.graph_pool_handle()
+        self._mempool = None
 
     def run(self, batch: RaggedBatch, pool, shape: tuple | None = None) -> torch.Tensor:
         """``model.forward(batch, pool)``: logits ``[len(batch.logits_indices), vocab]`` fp32 (``shape``:
@@ -351,20 +362,41 @@ class StepGraphs:
         if not self.capture:
             return g
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(g, pool)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            g.logits = self._forward(g, pool)
+        with self._capturing(f"decode batches of {size} x {width} blocks"):
+            self._warm_up([lambda: self._forward(g, pool)])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                g.logits = self._forward(g, pool)
         g.graph = graph
         self.captures += 1
         log.info("captured a CUDA graph for decode batches of %d x %d blocks in %.2f s",
                  size, width, time.perf_counter() - t0)
         return g
+
+    def _warm_up(self, fns: list) -> None:
+        """Run ``fns`` twice on a side stream before their capture (as PyTorch's docs ask)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for fn in fns:
+                    fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    @contextlib.contextmanager
+    def _capturing(self, what: str):
+        """A capture whose failure turns the graphs off (logged) instead of taking the engine down:
+        raises :class:`CaptureFailed`, on which the forward runs eagerly."""
+        try:
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            yield
+        except Exception as e:
+            self.failed = f"{what}: {type(e).__name__}: {e}"
+            self._graphs.clear()
+            self._pieces.clear()
+            log.warning("CUDA graph capture failed (%s); every step runs eagerly from now on", self.failed)
+            raise CaptureFailed(self.failed) from e
 
     def _run_pieces(self, batch: RaggedBatch, pool, tokens: int) -> torch.Tensor:
         """A step in the pieces of ``tokens`` tokens: per layer a replay, then the attention
@@ -454,18 +486,13 @@ class StepGraphs:
             p.fns = fns
             return p
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                for fn in fns:
+        with self._capturing(f"steps of {tokens} tokens"):
+            self._warm_up(fns)
+            for fn in fns:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._mempool):
                     fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        for fn in fns:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                fn()
-            p.graphs.append(graph)
+                p.graphs.append(graph)
         self.captures += len(fns)
         log.info("captured %d CUDA graph pieces for steps of %d tokens in %.2f s", len(fns), tokens,
                  time.perf_counter() - t0)

@@ -203,3 +203,24 @@ def test_a_shape_that_would_gather_too_much_is_not_taken(tmp_path, monkeypatch):
     made = graphs.capture_all(pool, 4, 16)
     assert made == len(graphs._graphs) + 2 and all(b * w <= 4 * 16 for b, w in graphs._graphs)
     assert (4, 16) in graphs._graphs and (4, 64) not in graphs._graphs and (1, 64) in graphs._graphs
+
+
+def test_a_failed_capture_turns_the_graphs_off_and_the_steps_run_eagerly(tmp_path, monkeypatch):
+    """A graph that cannot be made (here: no CUDA for its memory pool on a CPU machine, or, on a GPU
+    machine, a warm-up that raises as a capture error would) is logged, and from then on every step
+    runs eagerly: the requests in flight finish with the eager outputs."""
+    from fastgen.model import cuda_graphs as cg
+
+    eager, graphed, spy = _engines(tmp_path, "cpu", capture=False)
+    want = [list(r.token_ids) for r in eager(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)]
+
+    def broken(self, fns):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(cg.StepGraphs, "_warm_up", broken)
+    spy.capture = True                  # the next shape not made yet is captured, and fails
+    got = [list(r.token_ids) for r in graphed(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)]
+    assert got == want
+    assert spy.failed is not None and spy.failed.startswith("steps of 16 tokens")
+    assert spy.checked + spy.pieces_checked == 0 and spy.captures == 0     # no step ran in a graph
+    batch_pool = graphed.engine.pool
+    assert not spy._graphs and not spy._pieces and spy.capture_all(batch_pool, 4, 16) == 0
