@@ -224,3 +224,46 @@ def test_a_failed_capture_turns_the_graphs_off_and_the_steps_run_eagerly(tmp_pat
     assert spy.checked + spy.pieces_checked == 0 and spy.captures == 0     # no step ran in a graph
     batch_pool = graphed.engine.pool
     assert not spy._graphs and not spy._pieces and spy.capture_all(batch_pool, 4, 16) == 0
+
+
+@pytest.mark.parametrize("name", ["mistral-window-13", "qwen3-window-bias", "llama-tied-llama3-rope"])
+def test_pieces_match_the_eager_forward_across_families(tmp_path, name):
+    """The pieces' static path (uncaptured) against the eager forward for the families that take
+    it: sliding windows (Mistral; Qwen3's per-layer window), Qwen3's head norms and QKV bias, Llama
+    3's RoPE scaling with a tied head. Steps: two prompts from position 0, a continuing chunk beside
+    a decode, then decodes beside a new prompt; each on its own pool (same block tables)."""
+    from fastgen.batch import SeqInput, build_batch
+    from fastgen.model.loader import load_model
+
+    from .test_parity import _tiny_configs, random_checkpoint
+
+    random_checkpoint(_tiny_configs()[name], tmp_path / "ckpt")
+    model = load_model(str(tmp_path / "ckpt"), dtype=torch.float32, device=torch.device("cpu"), max_positions=256,
+                       kernels="torch")
+    assert StepGraphs.supported(model)
+    cfg = model.config
+
+    def pool():
+        return KVPool.for_model(cfg, num_kv_heads=cfg.num_kv_heads, num_blocks=24, block_size=4,
+                                dtype=torch.float32, device=torch.device("cpu"), spare_blocks=1)
+    eager_pool, static_pool = pool(), pool()
+    graphs = StepGraphs(model, capture=False)
+    graphs.max_tokens = 32
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+    a, b, c = list(range(0, 8)), list(range(8, 12)), list(range(12, 14))   # block tables
+    steps = [
+        [SeqInput(ids(20), 0, a[:5], 1), SeqInput(ids(7), 0, b[:2], 1)],
+        [SeqInput(ids(1), 7, b[:2], 1), SeqInput(ids(10), 20, a[:8], 3)],
+        [SeqInput(ids(1), 30, a[:8], 1), SeqInput(ids(1), 8, b[:3], 1), SeqInput(ids(5), 0, c, 5)],
+    ]
+    kinds = []
+    for seqs in steps:
+        batch = build_batch(seqs, 4, torch.device("cpu"))
+        want = model(batch, eager_pool)           # eager: a CPU model builds no graphs of its own
+        shape = graphs.fit(batch, static_pool)
+        kinds.append(shape[0])
+        torch.testing.assert_close(graphs.run(batch, static_pool, shape), want, atol=2e-5, rtol=2e-5)
+    assert kinds == ["tokens", "tokens", "tokens"]
