@@ -103,8 +103,10 @@ class StaticDecodeAttention:
 
 
 class CaptureFailed(RuntimeError):
-    """A graph could not be made (raised once; from then on :meth:`StepGraphs.fit` takes no step and
-    the model runs eagerly)."""
+    """A graph could not be made. Graphs are made at engine start-up (the budget's calibration and
+    :meth:`StepGraphs.capture_all`), so this stops the start with the way out in its message, as
+    vLLM's capture errors do: a failed CUDA capture leaves the caching allocator mid-capture, which
+    no public PyTorch call ends, so running on eagerly in the same process is not offered."""
 
 
 class _Graph:
@@ -180,7 +182,8 @@ class StepGraphs:
         self.replays = 0
         self.runs = 0
         self.piece_runs = 0               # steps run in pieces (replayed on a GPU)
-        self.failed: str | None = None    # why a capture failed: no graphs are taken after it
+        self._side: Any = None            # the warm-up stream, one for every capture (each new stream keeps
+                                          # a cuBLAS workspace of its own)
 
     @staticmethod
     def supported(model) -> bool:
@@ -217,7 +220,7 @@ class StepGraphs:
         pool the graphs were made for (a graph holds its tensors' addresses; the first pool with a
         spare block that comes is adopted, and another only once that one is gone)."""
         n, t = batch.num_seqs, batch.num_tokens
-        if pool.spare_slot is None or n == 0 or self.failed is not None:
+        if pool.spare_slot is None or n == 0:
             return None
         shape: tuple | None = None
         if batch.num_decodes == n and n <= BATCH_SIZES[-1] and batch.logits_indices.shape[0] == n:
@@ -269,15 +272,10 @@ class StepGraphs:
         shapes = [("decode", b, w) for b in sizes for w in widths if self.fits(b, w, pool)]
         shapes += [("tokens", t) for t in token_buckets(self.max_tokens)]
         for shape in tqdm(shapes, desc="capturing CUDA graphs", unit="shape", leave=False, disable=not self.capture):
-            try:
-                if shape[0] == "decode":
-                    self._graphs[shape[1:]] = self._make(shape[1], shape[2], pool)
-                else:
-                    self._pieces[shape[1]] = self._make_pieces(shape[1], pool)
-            except CaptureFailed:
-                self._graphs.clear()
-                self._pieces.clear()
-                return 0
+            if shape[0] == "decode":
+                self._graphs[shape[1:]] = self._make(shape[1], shape[2], pool)
+            else:
+                self._pieces[shape[1]] = self._make_pieces(shape[1], pool)
         return len(shapes)
 
     def _reset(self, pool) -> None:
@@ -375,7 +373,9 @@ class StepGraphs:
 
     def _warm_up(self, fns: list) -> None:
         """Run ``fns`` twice on a side stream before their capture (as PyTorch's docs ask)."""
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -385,18 +385,20 @@ class StepGraphs:
 
     @contextlib.contextmanager
     def _capturing(self, what: str):
-        """A capture whose failure turns the graphs off (logged) instead of taking the engine down:
-        raises :class:`CaptureFailed`, on which the forward runs eagerly."""
+        """Warm-up and capture on this model's device (``torch.cuda.graph`` captures on the current
+        device's stream), with the thread's current stream restored whatever happens (a capture that
+        fails can leave its own stream current). A failure raises :class:`CaptureFailed`."""
         try:
-            if self._mempool is None:
-                self._mempool = torch.cuda.graph_pool_handle()
-            yield
+            with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.current_stream(self.device)):
+                if self._mempool is None:
+                    self._mempool = torch.cuda.graph_pool_handle()
+                yield
         except Exception as e:
-            self.failed = f"{what}: {type(e).__name__}: {e}"
             self._graphs.clear()
             self._pieces.clear()
-            log.warning("CUDA graph capture failed (%s); every step runs eagerly from now on", self.failed)
-            raise CaptureFailed(self.failed) from e
+            raise CaptureFailed(f"CUDA graph capture failed for {what}: {type(e).__name__}: {e}. Start the engine "
+                                f"with cuda_graphs=False (fastgen serve --no-cuda-graphs, or FASTGEN_CUDA_GRAPHS=0) "
+                                f"to run every step eagerly") from e
 
     def _run_pieces(self, batch: RaggedBatch, pool, tokens: int) -> torch.Tensor:
         """A step in the pieces of ``tokens`` tokens: per layer a replay, then the attention

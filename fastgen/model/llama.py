@@ -366,11 +366,7 @@ class LlamaForCausalLM(nn.Module):
         graphs = self._step_graphs()
         shape = graphs.fit(batch, pool) if graphs is not None else None
         if shape is not None:
-            from .cuda_graphs import CaptureFailed
-            try:
-                return graphs.run(batch, pool, shape)              # as CUDA graphs (fastgen/model/cuda_graphs.py)
-            except CaptureFailed:
-                pass                                               # logged; this and later steps eagerly
+            return graphs.run(batch, pool, shape)                  # as CUDA graphs (fastgen/model/cuda_graphs.py)
         step = self.step(batch, pool)
         residual = self.embed(batch)                               # [T, hidden]
         first = self.layers[0].input_layernorm

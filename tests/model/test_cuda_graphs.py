@@ -205,25 +205,27 @@ def test_a_shape_that_would_gather_too_much_is_not_taken(tmp_path, monkeypatch):
     assert (4, 16) in graphs._graphs and (4, 64) not in graphs._graphs and (1, 64) in graphs._graphs
 
 
-def test_a_failed_capture_turns_the_graphs_off_and_the_steps_run_eagerly(tmp_path, monkeypatch):
-    """A graph that cannot be made (here: no CUDA for its memory pool on a CPU machine, or, on a GPU
-    machine, a warm-up that raises as a capture error would) is logged, and from then on every step
-    runs eagerly: the requests in flight finish with the eager outputs."""
+def test_a_failed_capture_stops_the_start_with_the_way_out(tmp_path, monkeypatch):
+    """A graph that cannot be made (here: its warm-up raises, as a capture error would; graphs are
+    made at start-up) raises CaptureFailed naming the option that runs every step eagerly, and
+    drops the graphs made so far."""
     from fastgen.model import cuda_graphs as cg
 
-    eager, graphed, spy = _engines(tmp_path, "cpu", capture=False)
-    want = [list(r.token_ids) for r in eager(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)]
+    folder = make_tiny_model(str(tmp_path / "tiny"))
+    eng = pipeline(folder, device="cpu", dtype="float32", kernels="torch", budget_tokens=16).engine
+    pool = _spare_pool(eng)
+    graphs = StepGraphs(eng.model, capture=False)
+    graphs.capture_all(pool, 4, 16)
+    assert graphs._graphs and graphs._pieces
 
     def broken(self, fns):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(cg.StepGraphs, "_warm_up", broken)
-    spy.capture = True                  # the next shape not made yet is captured, and fails
-    got = [list(r.token_ids) for r in graphed(PROMPTS, max_new_tokens=12, do_sample=False, ignore_eos=True)]
-    assert got == want
-    assert spy.failed is not None and spy.failed.startswith("steps of 16 tokens")
-    assert spy.checked + spy.pieces_checked == 0 and spy.captures == 0     # no step ran in a graph
-    batch_pool = graphed.engine.pool
-    assert not spy._graphs and not spy._pieces and spy.capture_all(batch_pool, 4, 16) == 0
+    graphs.capture = True
+    with pytest.raises(cg.CaptureFailed, match="cuda_graphs=False") as e:
+        graphs.capture_all(pool, 4, 16)
+    assert "decode batches of 1 x" in str(e.value)
+    assert not graphs._graphs and not graphs._pieces
 
 
 @pytest.mark.parametrize("name", ["mistral-window-13", "qwen3-window-bias", "llama-tied-llama3-rope"])
