@@ -80,6 +80,20 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(out) + (max_tokens,)
 
 
+def _fill_rows(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, batch: RaggedBatch,
+               spare_slot: int) -> None:
+    """A graph's static token ids, positions and KV slots: ``batch``'s rows (device copies), then
+    padding rows (token 0 at position 0, writing the spare slot)."""
+    n = batch.num_tokens
+    tokens[:n].copy_(batch.token_ids)
+    positions[:n].copy_(batch.positions)
+    slots[:n].copy_(batch.slots)
+    if n < tokens.shape[0]:
+        tokens[n:].zero_()
+        positions[n:].zero_()
+        slots[n:].fill_(spare_slot)
+
+
 @dataclass(frozen=True)
 class StaticPlan:
     block_tables: torch.Tensor                    # [B, W] int64
@@ -313,13 +327,7 @@ class StepGraphs:
         host.extend([pad] * (width * (size - n)))
         host = torch.tensor(host, dtype=torch.long)
         g.ints[3 * size:].copy_(host)
-        g.tokens[:n].copy_(batch.token_ids)
-        g.positions[:n].copy_(batch.positions)
-        g.slots[:n].copy_(batch.slots)
-        if n < size:
-            g.tokens[n:].zero_()
-            g.positions[n:].zero_()
-            g.slots[n:].fill_(spare)
+        _fill_rows(g.tokens, g.positions, g.slots, batch, spare)
         if g.graph is not None:
             g.graph.replay()
             self.replays += 1
@@ -410,13 +418,7 @@ class StepGraphs:
         if p is None:
             p = self._pieces[tokens] = self._make_pieces(tokens, pool)
         n, model = batch.num_tokens, self.model
-        p.token_ids[:n].copy_(batch.token_ids)
-        p.positions[:n].copy_(batch.positions)
-        p.slots[:n].copy_(batch.slots)
-        if n < tokens:
-            p.token_ids[n:].zero_()
-            p.positions[n:].zero_()
-            p.slots[n:].fill_(pool.spare_slot)
+        _fill_rows(p.token_ids, p.positions, p.slots, batch, pool.spare_slot)
         step = Step(batch, pool, model.attention.plan(batch), model.ops, model.attention, tuple(model.ropes))
         q, k, v, out = p.q[:n], p.k[:n], p.v[:n], p.attn[:n]
         for i, attend in enumerate(self._attends()):
