@@ -255,6 +255,7 @@ def http_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
     target = HTTPTarget(args.url, args.served_model, api_key=args.api_key,
                         length_extensions=args.length_extensions, wait_ready_s=args.wait_ready_s,
                         salt_per_run=args.cache_salt)
+    _check_busy(meta)   # after the server's /health answered: a server still loading is busy
     label = args.label or args.url
     meta.update(url=args.url, served_model=target.model, tokenizer=path, max_model_len=max_len)
     done = []
@@ -263,6 +264,13 @@ def http_series(args: argparse.Namespace, workload: Workload, points, sla: SLA,
         print(describe_point(label, load, run, sla), flush=True)
         done.append(Point(load, run))
     yield Series(label, args.url, tuple(done))
+
+
+def _check_busy(meta: dict[str, Any]) -> None:
+    """Record (and warn of) CPUs kept busy by other processes before the load starts."""
+    meta["busy_cpus_before"] = busy = busy_cpus()
+    if busy is not None and busy > BUSY_CPUS_WARNING:
+        print(f"warning: other processes keep {busy:.1f} CPUs busy; latencies will be inflated", flush=True)
 
 
 def _requests(workload: Workload, points, corpus: Corpus, seed: int, max_model_len: int,
@@ -288,9 +296,8 @@ def run(args: argparse.Namespace) -> int:
                      "gen_mean_tokens": workload.gen_mean_tokens, "rel_std": workload.rel_std},
         "seed": args.seed, "cpu": cpu_name(), "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    meta["busy_cpus_before"] = busy = busy_cpus()
-    if busy is not None and busy > BUSY_CPUS_WARNING:
-        print(f"warning: other processes keep {busy:.1f} CPUs busy; latencies will be inflated", flush=True)
+    if not args.url:   # a server is checked once it is ready (http_series): its start-up would count
+        _check_busy(meta)
     print(f"fastgen bench: {workload.describe()}; "
           f"{', '.join(f'{load.label} ({lim.num_requests} requests)' for load, lim in points)}", flush=True)
     make = http_series if args.url else engine_series
