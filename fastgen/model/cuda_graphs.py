@@ -189,7 +189,7 @@ class StepGraphs:
         self._pieces: dict[int, _Pieces] = {}
         # the largest step (tokens) that runs in pieces; capture_all sets it to the token budget
         self.max_tokens = 8192
-        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._mempool: Any = None         # the graphs' memory pool, made at the first capture after _reset
         self._attention = StaticDecodeAttention()
         self._pool: Any = None           # weakref to the pool the graphs write (their addresses)
         self.captures = 0
