@@ -72,6 +72,13 @@ class EngineStats:
     prefix_hit_tokens: int = 0            # of those, found cached
 
 
+def _apply_cuda_graphs_option(model: torch.nn.Module, on: bool) -> None:
+    """The engine option ``cuda_graphs`` (EngineConfig) on a model that can run its steps as CUDA
+    graphs (fastgen/model/cuda_graphs.py); other models have no such steps."""
+    if hasattr(model, "_step_graphs"):
+        model.__dict__["use_cuda_graphs"] = on
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any,
                  model_config: ModelConfig) -> None:
@@ -82,8 +89,7 @@ class Engine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         cache = config.cache
-        if hasattr(model, "_step_graphs"):   # the engine option (EngineConfig.cuda_graphs)
-            model.__dict__["use_cuda_graphs"] = config.cuda_graphs
+        _apply_cuda_graphs_option(model, config.cuda_graphs)
         self.pool = self.new_pool(cache.num_blocks)
         if getattr(model, "uses_cuda_graphs", False):   # CUDA graphs of steps, made now for this pool
             model._step_graphs().capture_all(self.pool, config.scheduler.max_seqs, config.scheduler.budget_tokens)
@@ -144,8 +150,7 @@ class Engine:
             # which kernel takes how many rows, measured for this host (before the budget's curve,
             # which runs through them)
             row_limits = calibrate_row_limits(net, config) if config.tensor_parallel_size == 1 else None
-            if hasattr(net, "_step_graphs"):   # the budget's curve runs through CUDA graphs where steps will
-                net.__dict__["use_cuda_graphs"] = config.cuda_graphs
+            _apply_cuda_graphs_option(net, config.cuda_graphs)   # the budget's curve runs as steps will
             budget = None
             if opts.budget_tokens == "auto":
                 budget = calibrate_engine_budget(net, model_config, config, opts.target_itl_ms,

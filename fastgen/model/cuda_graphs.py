@@ -37,6 +37,7 @@ how the tests check them against the eager forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -69,6 +70,7 @@ def _widths(max_blocks: int) -> tuple[int, ...]:
     return tuple(out) + (max_blocks,)
 
 
+@functools.lru_cache(maxsize=16)
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """Token counts the pieces' graphs are made for: powers of two from 8, and ``max_tokens`` last
     (a step of ``T`` tokens takes the next one up: at most 2x the rows it needs, and every step of
@@ -352,9 +354,7 @@ class StepGraphs:
         step = Step(batch, pool, g.plan(model.dtype, model.attention.windows), ops, self._attention,
                     tuple(model.ropes))
         with torch.inference_mode():
-            residual = model.embed(batch)
-            first = model.layers[0].input_layernorm
-            x = ops.rms_norm(residual, first.weight, first.eps)
+            residual, x = model.embed_normed(batch, ops)
             for run in model._layer_runs():
                 x = run(x, residual, step)
             return model.head(x).float()
@@ -411,15 +411,13 @@ class StepGraphs:
     def _run_pieces(self, batch: RaggedBatch, pool, tokens: int) -> torch.Tensor:
         """A step in the pieces of ``tokens`` tokens: per layer a replay, then the attention
         backend on the step's real rows (its plan built once, as the eager forward builds it)."""
-        from .llama import Step
-
         self.piece_runs += 1
         p = self._pieces.get(tokens)
         if p is None:
             p = self._pieces[tokens] = self._make_pieces(tokens, pool)
         n, model = batch.num_tokens, self.model
         _fill_rows(p.token_ids, p.positions, p.slots, batch, pool.spare_slot)
-        step = Step(batch, pool, model.attention.plan(batch), model.ops, model.attention, tuple(model.ropes))
+        step = model.step(batch, pool)                          # the eager forward's: the same plan
         q, k, v, out = p.q[:n], p.k[:n], p.v[:n], p.attn[:n]
         for i, attend in enumerate(self._attends()):
             p.replay(i)
@@ -435,9 +433,7 @@ class StepGraphs:
         return attends
 
     def _layer_parts(self) -> list[tuple]:
-        layers = list(self.model.layers)
-        return [layer.bind_parts(layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
-                for i, layer in enumerate(layers)]
+        return [layer.bind_parts(norm) for layer, norm in zip(self.model.layers, self.model.next_norms())]
 
     def _piece_fns(self, p: _Pieces, pool) -> list:
         """The ``L + 1`` pieces over ``p``'s buffers. Each call takes a fresh ops object and step
@@ -466,9 +462,9 @@ class StepGraphs:
         def first() -> None:
             s = step()
             with torch.inference_mode():
-                p.residual.copy_(model.embed(batch))
-                norm = model.layers[0].input_layernorm
-                project(0, s.ops.rms_norm(p.residual, norm.weight, norm.eps), s)
+                residual, x = model.embed_normed(batch, s.ops)
+                p.residual.copy_(residual)
+                project(0, x, s)
 
         def middle(i: int):
             def run() -> None:

@@ -368,9 +368,7 @@ class LlamaForCausalLM(nn.Module):
         if shape is not None:
             return graphs.run(batch, pool, shape)                  # as CUDA graphs (fastgen/model/cuda_graphs.py)
         step = self.step(batch, pool)
-        residual = self.embed(batch)                               # [T, hidden]
-        first = self.layers[0].input_layernorm
-        x = self.ops.rms_norm(residual, first.weight, first.eps)
+        residual, x = self.embed_normed(batch, self.ops)           # [T, hidden] each
         stack = self._native_stack()
         if stack is not None and stack.takes(x.shape[0]):
             x = stack.run(x, residual, step)                       # the same ops, without Python between
@@ -378,6 +376,18 @@ class LlamaForCausalLM(nn.Module):
             for run in self._layer_runs():
                 x = run(x, residual, step)                         # x = the next norm of residual
         return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
+
+    def embed_normed(self, batch: RaggedBatch, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual, x)``: the embedding of ``batch``'s tokens and the first layer's input norm of it
+        (what every layer loop starts from: the eager forward, fastgen/model/cuda_graphs.py's)."""
+        residual = self.embed(batch)
+        first = self.layers[0].input_layernorm
+        return residual, ops.rms_norm(residual, first.weight, first.eps)
+
+    def next_norms(self) -> list[RMSNorm]:
+        """The norm that follows each layer: the next layer's input norm, the final norm after the last."""
+        layers = list(self.layers)
+        return [layer.input_layernorm for layer in layers[1:]] + [self.norm]
 
     def _step_graphs(self):
         """CUDA graphs of steps (fastgen/model/cuda_graphs.py), built once after prepare(); None where
@@ -412,9 +422,7 @@ class LlamaForCausalLM(nn.Module):
         prepare() (which drops them, as anything that replaces a module must)."""
         runs = self.__dict__.get("_runs")
         if runs is None:
-            layers = list(self.layers)
-            runs = [layer.bind(layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm)
-                    for i, layer in enumerate(layers)]
+            runs = [layer.bind(norm) for layer, norm in zip(self.layers, self.next_norms())]
             self.__dict__["_runs"] = runs
         return runs
 
