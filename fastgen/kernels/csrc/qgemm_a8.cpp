@@ -147,33 +147,81 @@ inline void micro_a8_avx2(const int32_t* xa, const float* dx, const float* dsum,
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// lane r of the result = op over the 16 lanes of v[r] (v is overwritten): pairs of vectors
+// folded in halves, quarters, then within 128-bit lanes; 15 folds for 16 rows, against 16
+// separate reductions whose shuffle chains ran back to back (perf: most of the quantizer's time)
+template <typename Op>
+inline __m512 reduce_rows16(__m512* v, Op op) {
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i)   // quads: row 2i, 2i, 2i+1, 2i+1
+    w[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 z[4];
+  for (int i = 0; i < 4; ++i)   // quads: rows 4i .. 4i+3
+    z[i] = op(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i)   // quad L: rows L + 8i (lanes 0, 2) and L + 8i + 4 (lanes 1, 3)
+    y[i] = op(_mm512_unpacklo_ps(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_ps(z[2 * i], z[2 * i + 1]));
+  // lane 4L + j: row L + 4j
+  const __m512 r = op(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]))),
+                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]))));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
 // rows r0 .. r0 + MB8 - 1 of x [m, k] (rows past m zero): xq words [k/4][MB8], dx and
-// dx * sum(xq) [groups][MB8]
+// dx * sum(xq) [groups][MB8]. Sixteen rows of a group at a time: their maxima and sums reduced
+// together (reduce_rows16), each row's eight words through a buffer and gathered back as eight
+// vectors of sixteen rows. The same values as one row at a time (the scalar loop before this):
+// the same division, the same round-to-nearest-even, the same int32 sums
 template <typename T>
 void quantize_block(const T* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx, float* dsum) {
-  const int64_t groups = k / 32, words = k / 4;
+  const int64_t groups = k / 32;
   const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int r = 0; r < MB8; ++r) {
-    if (r0 + r >= m) {
-      for (int64_t j = 0; j < words; ++j) xa[j * MB8 + r] = 0;
-      for (int64_t g = 0; g < groups; ++g) dx[g * MB8 + r] = 0.f, dsum[g * MB8 + r] = 0.f;
-      continue;
-    }
-    const T* xr = x + (r0 + r) * k;
+  const __m512i rows8 = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+  alignas(64) int32_t words[16 * 8];
+  alignas(64) float inv[16];
+  for (int v0 = 0; v0 < MB8; v0 += 16) {
+    const int live = static_cast<int>(std::clamp<int64_t>(m - (r0 + v0), 0, 16));
+    const __mmask16 live_mask = static_cast<__mmask16>((1u << live) - 1);
     for (int64_t g = 0; g < groups; ++g) {
-      const __m512 a = load16(xr + g * 32), b = load16(xr + g * 32 + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-      const float d = amax > 0.f ? amax / 127.f : 1.f;
-      const __m512 inv = _mm512_set1_ps(1.f / d);
-      // round to nearest even (the default rounding mode), as nearbyint in qgemv's int8 path
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-      alignas(16) int32_t w[8];
-      _mm_store_si128(reinterpret_cast<__m128i*>(w), _mm512_cvtsepi32_epi8(qa));
-      _mm_store_si128(reinterpret_cast<__m128i*>(w + 4), _mm512_cvtsepi32_epi8(qb));
-      for (int j = 0; j < 8; ++j) xa[(g * 8 + j) * MB8 + r] = w[j];
-      dx[g * MB8 + r] = d;
-      dsum[g * MB8 + r] = d * static_cast<float>(sum);
+      int32_t* xg = xa + g * 8 * MB8 + v0;
+      if (live == 0) {
+        for (int j = 0; j < 8; ++j) _mm512_store_si512(xg + j * MB8, _mm512_setzero_si512());
+        _mm512_store_ps(dx + g * MB8 + v0, _mm512_setzero_ps());
+        _mm512_store_ps(dsum + g * MB8 + v0, _mm512_setzero_ps());
+        continue;
+      }
+      auto row = [&](int r, int half) {
+        return r < live ? load16(x + (r0 + v0 + r) * k + g * 32 + 16 * half) : _mm512_setzero_ps();
+      };
+      __m512 v[16];
+      for (int r = 0; r < 16; ++r)
+        v[r] = _mm512_max_ps(_mm512_andnot_ps(sign, row(r, 0)), _mm512_andnot_ps(sign, row(r, 1)));
+      const __m512 amax = reduce_rows16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+      const __m512 d = _mm512_mask_div_ps(_mm512_set1_ps(1.f), _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                          amax, _mm512_set1_ps(127.f));
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), d));
+      for (int r = 0; r < 16; ++r) {
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        // round to nearest even (the default rounding mode), as nearbyint in qgemv's int8 path
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(row(r, 0), iv));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(row(r, 1), iv));
+        v[r] = _mm512_castsi512_ps(_mm512_add_epi32(qa, qb));
+        // one 32-byte store of both halves: GCC folds a lone vpmovsdb into its memory form, which
+        // Zen 4 runs slowly (perf: half the quantizer's samples on it)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(words + 8 * r),
+                           _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(qa)),
+                                                   _mm512_cvtsepi32_epi8(qb), 1));
+      }
+      const __m512i sum = _mm512_castps_si512(reduce_rows16(v, [](__m512 a, __m512 b) {
+        return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+      }));
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_si512(xg + j * MB8, _mm512_i32gather_epi32(_mm512_add_epi32(rows8, _mm512_set1_epi32(j)), words, 4));
+      _mm512_store_ps(dx + g * MB8 + v0, _mm512_maskz_mov_ps(live_mask, d));
+      _mm512_store_ps(dsum + g * MB8 + v0, _mm512_maskz_mov_ps(live_mask, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum))));
     }
   }
 }
@@ -256,49 +304,53 @@ void unpack_panel(const uint8_t* qw, const uint16_t* scales, const uint16_t* min
 // one block x one panel: H vectors of 16 rows, NR8 features; out [NR8][MB8] fp32. Only the int32
 // sums live in registers (NR8 * H of them); each group's scaled sums are added to out, which
 // stays in L1 (with the fp32 sums in registers too GCC spilled and copied registers in the
-// inner loop: 0.5x vpdpbusd's rate)
+// inner loop: 0.5x vpdpbusd's rate). Per 8 vpdpbusd a group costs a conversion, a multiply and
+// two FMAs (scale, minimum): with vpdpbusd on the FMA pipes that caps the loop near 8 / 11 of
+// vpdpbusd's rate, where it runs (perf: ~75%). Group 0 stores into out without reading it
+// (no zeroing pass: 2-3% of the product's time at 256-2,048 rows).
 #if defined(FASTGEN_A8_VNNI)
-template <int H>
-inline void micro_a8(const int32_t* xa, const float* dx, const float* dsum, const uint32_t* u, const float* s,
-                     const float* mn, int64_t groups, float* out) {
-  for (int c = 0; c < NR8 * MB8; c += 16) _mm512_store_ps(out + c, _mm512_setzero_ps());
-  for (int64_t g = 0; g < groups; ++g) {
-    const int32_t* xg = xa + g * 8 * MB8;
-    const uint32_t* ug = u + g * 8 * NR8;
-    __m512i i0[NR8], i1[NR8];
+template <int H, bool First>
+inline void group_a8(const int32_t* xg, const float* dxg, const float* dsumg, const uint32_t* ug, const float* sg,
+                     const float* mg, float* out) {
+  __m512i acc[H][NR8];
 #pragma GCC unroll 16
-    for (int c = 0; c < NR8; ++c) {
-      const __m512i wb = _mm512_set1_epi32(static_cast<int>(ug[c]));
-      i0[c] = _mm512_dpbusd_epi32(zeroed_si512(), wb, _mm512_load_si512(xg));
-      if (H > 1) i1[c] = _mm512_dpbusd_epi32(zeroed_si512(), wb, _mm512_load_si512(xg + 16));
-    }
+  for (int c = 0; c < NR8; ++c) {
+    const __m512i wb = _mm512_set1_epi32(static_cast<int>(ug[c]));
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) acc[h][c] = _mm512_dpbusd_epi32(zeroed_si512(), wb, _mm512_load_si512(xg + 16 * h));
+  }
 #pragma GCC unroll 8
-    for (int j = 1; j < 8; ++j) {
-      const __m512i x0 = _mm512_load_si512(xg + j * MB8);
-      const __m512i x1 = H > 1 ? _mm512_load_si512(xg + j * MB8 + 16) : x0;
-#pragma GCC unroll 16
-      for (int c = 0; c < NR8; ++c) {
-        const __m512i wb = _mm512_set1_epi32(static_cast<int>(ug[j * NR8 + c]));
-        i0[c] = _mm512_dpbusd_epi32(i0[c], wb, x0);
-        if (H > 1) i1[c] = _mm512_dpbusd_epi32(i1[c], wb, x1);
-      }
-    }
-    const __m512 d0 = _mm512_load_ps(dx + g * MB8), e0 = _mm512_load_ps(dsum + g * MB8);
-    const __m512 d1 = H > 1 ? _mm512_load_ps(dx + g * MB8 + 16) : d0;
-    const __m512 e1 = H > 1 ? _mm512_load_ps(dsum + g * MB8 + 16) : e0;
+  for (int j = 1; j < 8; ++j) {
+    __m512i xv[H];
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) xv[h] = _mm512_load_si512(xg + j * MB8 + 16 * h);
 #pragma GCC unroll 16
     for (int c = 0; c < NR8; ++c) {
-      const __m512 sv = _mm512_set1_ps(s[g * NR8 + c]), mv = _mm512_set1_ps(mn[g * NR8 + c]);
-      float* o = out + c * MB8;
-      _mm512_store_ps(o, _mm512_fmadd_ps(e0, mv, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[c]), _mm512_mul_ps(d0, sv),
-                                                                 _mm512_load_ps(o))));
-      if (H > 1)
-        _mm512_store_ps(o + 16, _mm512_fmadd_ps(e1, mv, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[c]),
-                                                                       _mm512_mul_ps(d1, sv), _mm512_load_ps(o + 16))));
+      const __m512i wb = _mm512_set1_epi32(static_cast<int>(ug[j * NR8 + c]));
+#pragma GCC unroll 4
+      for (int h = 0; h < H; ++h) acc[h][c] = _mm512_dpbusd_epi32(acc[h][c], wb, xv[h]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < H; ++h) {
+    const __m512 d = _mm512_load_ps(dxg + 16 * h), e = _mm512_load_ps(dsumg + 16 * h);
+#pragma GCC unroll 16
+    for (int c = 0; c < NR8; ++c) {
+      float* o = out + c * MB8 + 16 * h;
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][c]), _mm512_mul_ps(d, _mm512_set1_ps(sg[c])),
+                                       First ? _mm512_setzero_ps() : _mm512_load_ps(o));
+      _mm512_store_ps(o, _mm512_fmadd_ps(e, _mm512_set1_ps(mg[c]), t));
     }
   }
 }
 
+template <int H>
+inline void micro_a8(const int32_t* xa, const float* dx, const float* dsum, const uint32_t* u, const float* s,
+                     const float* mn, int64_t groups, float* out) {
+  group_a8<H, true>(xa, dx, dsum, u, s, mn, out);
+  for (int64_t g = 1; g < groups; ++g)
+    group_a8<H, false>(xa + g * 8 * MB8, dx + g * MB8, dsum + g * MB8, u + g * 8 * NR8, s + g * NR8, mn + g * NR8, out);
+}
 
 #if defined(__AVX512VL__)
 #define FASTGEN_A8_8ROWS 1
