@@ -79,6 +79,38 @@ def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_is_the_same_alone_and_in_a_batch(dtype, window):
+    """One decode alone takes the decode kernel with its prefetches in bursts; several decodes
+    take it with their prefetches spread over each block's steps (cpu_kernels.cpp,
+    DecodePrefetch). Both must give the reference's result, over whole blocks and a last partial
+    one, with and without a window. (Alone a decode is split over more threads, so its partial
+    softmaxes merge in another order: equal within rounding, not bit for bit.)"""
+    g = torch.Generator().manual_seed(1)
+    bs, kvh, d, num_blocks = 32, 3, 64, 200
+    kp = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    vp = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    positions = [1234, 700, 95, 1500]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, off = [], 0
+    for p in positions:
+        n = p // bs + 1
+        tables.append(perm[off:off + n])
+        off += n
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(positions), 9, d, generator=g).to(dtype)
+    together = torch.ops.fastgen.paged_attention(q, kp, vp, torch.arange(len(positions) + 1, dtype=torch.int32),
+                                                 torch.tensor(positions, dtype=torch.int32), bt, d ** -0.5, window)
+    for i, p in enumerate(positions):
+        alone = torch.ops.fastgen.paged_attention(q[i:i + 1], kp, vp, torch.tensor([0, 1], dtype=torch.int32),
+                                                  torch.tensor([p], dtype=torch.int32), bt[i:i + 1], d ** -0.5, window)
+        want = _reference_attention(q[i:i + 1], kp, vp, [0, 1], [p], [tables[i]], window)
+        torch.testing.assert_close(alone.float(), want, **TOL[dtype])
+        torch.testing.assert_close(together[i:i + 1].float(), want, **TOL[dtype])
+
+
 @pytest.mark.parametrize("window", [0, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_context_decode_is_split_and_merged_exactly(dtype, window):
