@@ -1024,11 +1024,12 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
 // rounds in one process on Zen 4, all else equal: one burst of 384, or of 128 per KV head,
 // 1.0x; 12 steps a block 0.83-0.87x; 24 steps 0.74-0.75x, one or two blocks ahead. Fewer,
 // larger pieces (6 a block) were slower than the burst. Against the kernel before (the burst,
-// three blocks ahead), this build's paged_attention over the 30 layers' pools from memory: 8
-// decodes x 1,300 keys 0.73-0.77x the time, 32 x 4k 0.70-0.74x, 8 x 300 0.81-0.84x, one decode
-// at 2k keys 0.83-0.86x, 11 of 11 rounds faster each. One decode at 120-1,000 keys, its keys in
-// cache, is *slower*, 1.07-1.23x (~1-2 us a layer): so too with this code's prefetches made the
-// old burst again, so it is the code around the pieces, not their timing, that costs there.
+// three blocks ahead), paged_attention over the 30 layers' pools from memory, 11 of 11 rounds
+// faster each: 8 decodes x 1,300 keys 0.73-0.77x the time, 32 x 4k 0.70-0.75x, 8 x 300
+// 0.81-0.88x. One decode alone at 120-1,000 keys (its keys in cache) was *slower* this way,
+// 1.07-1.23x, and so it stayed with this code's prefetches made the old burst again: the code
+// around the pieces costs there, not their timing. So one decode alone keeps the old kernel
+// (attend_decode_heads_burst, chosen in paged_attention_impl): level, 0.98-1.03x.
 constexpr int64_t kDecodePrefetchBlocks = 1;   // the next block (2 and 3 measured no better)
 
 // The lines of one key block (K and V) to prefetch into L2, issued a piece at a time by run()
