@@ -1026,11 +1026,14 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
 // larger pieces (6 a block) were slower than the burst. Against the kernel before (the burst,
 // three blocks ahead), paged_attention over the 30 layers' pools from memory, 11 of 11 rounds
 // faster each: 8 decodes x 1,300 keys 0.73-0.77x the time, 32 x 4k 0.70-0.75x, 8 x 300
-// 0.81-0.88x. One decode alone at 120-1,000 keys (its keys in cache) was *slower* this way,
-// 1.07-1.23x, and so it stayed with this code's prefetches made the old burst again: the code
-// around the pieces costs there, not their timing. So one decode alone keeps the old kernel
-// (attend_decode_heads_burst, chosen in paged_attention_impl): level, 0.98-1.03x.
+// 0.81-0.88x, all in the VM's slow memory phases; in a fast one (the old kernel's 32 x 4k at
+// 101 against ~165 ms) level, 0.98-1.00x. One decode alone at 120-1,000 keys (its keys in
+// cache) was *slower* this way, 1.07-1.23x, and so it stayed with the pieces' calls left in
+// place around the old burst. So one decode alone takes the old kernel's code
+// (attend_decode_heads<T, DC, false>, the pieces compiled out; chosen in paged_attention_impl):
+// level, 0.98-1.07x.
 constexpr int64_t kDecodePrefetchBlocks = 1;   // the next block (2 and 3 measured no better)
+constexpr int64_t kDecodeBurstBlocks = 3;      // one decode alone: the blocks its bursts reach
 
 // The lines of one key block (K and V) to prefetch into L2, issued a piece at a time by run()
 // at each step of the block before it, the rest by finish()
@@ -1060,125 +1063,6 @@ struct DecodePrefetch {
   }
 };
 
-// The kernel before DecodePrefetch, kept for one decode alone (below): its split's blocks b + 1 ..
-// b + 3 in one burst at the split's first block, b + 3 at each later one
-constexpr int64_t kDecodeBurstBlocks = 3;
-template <typename T, int64_t DC>
-void attend_decode_heads_burst(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
-                         const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h,
-                         int64_t kvh, int64_t bs, float scale, int64_t window, std::vector<float>& acc,
-                         std::vector<Partial>& ml, std::vector<float>& qf, std::vector<float>& scores,
-                         std::vector<float>& vf, std::vector<uint32_t>& pw) {
-  constexpr int64_t d = DC;
-  constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
-  const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
-  const int64_t visible_from = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-  const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
-  const int64_t b0 = fb + (nblk - fb) * item.part / item.num_parts;
-  const int64_t b1 = fb + (nblk - fb) * (item.part + 1) / item.num_parts;
-  acc.assign(h * d, 0.f);
-  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (static_cast<int64_t>(scores.size()) < h * bs + 16) scores.resize(h * bs + 16);
-  const int64_t half = (bs + 1) / 2;
-  if (static_cast<int64_t>(pw.size()) < h * half) pw.resize(h * half);
-  if (static_cast<int64_t>(vf.size()) < bs * d) vf.resize(bs * d);
-  const T* qs = q + static_cast<int64_t>(q_starts[s]) * h * d;   // head r's query at qs + r * d
-  if constexpr (!bf16) {                                           // fp32: pre-scaled
-    qf.resize(h * d);
-    for (int64_t i = 0; i < h * d; ++i) qf[i] = load(qs, i) * scale;
-  }
-  const __m512 sv = _mm512_set1_ps(bf16 ? scale : 1.f);
-  const int32_t* table = tables + s * max_blocks;
-  const int64_t row = kvh * d;                                     // between one key's rows
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
-    const int64_t from = std::max<int64_t>(0, visible_from - first_key);
-    if (n <= from) continue;
-    // blocks b + 1 .. b + kDecodePrefetchBlocks, K and V, into L2 while this one computes (at
-    // the split's first block all of them, after it the farthest only)
-    for (int64_t a = b == b0 ? 1 : kDecodeBurstBlocks; a <= kDecodeBurstBlocks && b + a < b1; ++a) {
-      const char* kn = reinterpret_cast<const char*>(kpool + static_cast<int64_t>(table[b + a]) * bs * row);
-      const char* vn = reinterpret_cast<const char*>(vpool + static_cast<int64_t>(table[b + a]) * bs * row);
-      for (int64_t off = 0; off < bs * row * static_cast<int64_t>(sizeof(T)); off += 64) {
-        __builtin_prefetch(kn + off, 0, 1);   // prefetcht2: L2
-        __builtin_prefetch(vn + off, 0, 1);
-      }
-    }
-    // a block of 32 keys seen whole (all but the last and a window's edge), bf16: each KV head's
-    // group of rows takes the register softmax together (softmax_block32_rows, as the chunk
-    // path's whole blocks), probabilities straight to bf16 pairs; outputs bit for bit as the
-    // one-row update's. SmolLM2's heads (3 KV heads, groups of 3), with the PV's group below,
-    // old against new in four fresh pairs of processes: one decode at 2k keys 0.83x the time,
-    // 32 at 4k 0.88x (cold: more of it is the pool's reads)
-    const bool whole = bf16 && kDecodeBf16 && bs == 32 && from == 0 && n == 32 && group <= 4;
-    for (int64_t kv = 0; kv < kvh; ++kv) {
-      const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
-      const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
-      if constexpr (!bf16 || !kDecodeBf16) {
-        for (int64_t j = 0; j < n; ++j) {
-          const T* vj = vb + j * row;
-          float* vfj = vf.data() + j * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) vfj[i] = load(vj, i);
-        }
-      }
-      const int64_t r0 = kv * group;
-      for (int64_t r = r0; r < r0 + group; ++r) {
-        const T* qrow = bf16 ? qs + r * d : reinterpret_cast<const T*>(qf.data() + r * d);
-        float* sc = scores.data() + r * bs;
-        if (whole) {   // raw scores: the softmax scales them
-          _mm512_storeu_ps(sc, qk16<T, DC>(qrow, kb, row, 16));
-          _mm512_storeu_ps(sc + 16, qk16<T, DC>(qrow, kb + 16 * row, row, 16));
-          continue;
-        }
-        for (int64_t j0 = 0; j0 < n; j0 += 16)
-          _mm512_storeu_ps(sc + j0, _mm512_mul_ps(qk16<T, DC>(qrow, kb + j0 * row, row, std::min<int64_t>(16, n - j0)), sv));
-        softmax_update(ml[r], acc.data() + r * d, d, sc, bs, from, n);
-      }
-      int64_t r = r0;
-      if constexpr (bf16 && kDecodeBf16) {
-#if defined(__AVX512BF16__)
-        if (whole) {
-          Partial* mlr = ml.data() + r0;
-          float* ar = acc.data() + r0 * d;
-          const float* scr = scores.data() + r0 * bs;
-          uint32_t* pwr = pw.data() + r0 * half;
-          switch (group) {
-            case 1: softmax_block32_rows<1>(mlr, ar, d, scr, bs, scale, pwr, half); break;
-            case 2: softmax_block32_rows<2>(mlr, ar, d, scr, bs, scale, pwr, half); break;
-            case 3: softmax_block32_rows<3>(mlr, ar, d, scr, bs, scale, pwr, half); break;
-            default: softmax_block32_rows<4>(mlr, ar, d, scr, bs, scale, pwr, half); break;
-          }
-        }
-        for (int64_t rr = r0; !whole && rr < r0 + group; ++rr)   // probabilities -> bf16 pairs (0 past n)
-          probs_to_bf16_pairs(scores.data() + rr * bs, bs, pw.data() + rr * half);
-        const int64_t j2a = from / 2, j2b = (n + 1) / 2;
-        const at::BFloat16* vbb = reinterpret_cast<const at::BFloat16*>(vb);
-        // the group's rows share each key pair's loads and interleaves (3 rows at once against
-        // 2 + 1, four fresh pairs of processes: 8 decodes x 1,216 keys 0.89x the time, 32 x 4k 0.965x)
-        const int64_t end = r0 + group;
-        for (; r + 4 <= end; r += 4)
-          pv_rows_bf16<DC, 4>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
-        if (end - r == 3) {
-          pv_rows_bf16<DC, 3>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
-          r += 3;
-        }
-        for (; r + 2 <= end; r += 2)
-          pv_rows_bf16<DC, 2>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
-        if (r < end) pv_rows_bf16<DC, 1>(pw.data() + r * half, half, vbb, row, j2a, j2b, n, acc.data() + r * d);
-#endif
-      } else {
-        for (; r + 2 <= r0 + group; r += 2)
-          pv_rows<DC, 2>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
-        if (r < r0 + group) pv_rows<DC, 1>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
-      }
-    }
-  }
-#if defined(__AVX512BF16__)
-  if constexpr (bf16 && kDecodeBf16) decode_acc_order<DC>(acc.data(), h);
-#endif
-}
-
 // A decode, all its heads (kv = -1 items): for each key block of the item's split, every KV head
 // in turn, so that each block is read once and front to back, the blocks ahead prefetched (blocks
 // lie anywhere in the pool, out of the hardware prefetcher's sight). 32 decodes x 4k keys, cold:
@@ -1186,7 +1070,7 @@ void attend_decode_heads_burst(const Item& item, const T* q, const T* kpool, con
 // Scores by qk16 straight from the pool's keys; in bf16 the values too (pv_rows_bf16,
 // probabilities as bf16 pairs), in fp32 each head's values widened once per block (pv_rows).
 // acc [h][d], ml [h]: row r is head r.
-template <typename T, int64_t DC>
+template <typename T, int64_t DC, bool Spread>
 void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                          const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h,
                          int64_t kvh, int64_t bs, float scale, int64_t window, std::vector<float>& acc,
@@ -1217,6 +1101,18 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
     const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
     const int64_t from = std::max<int64_t>(0, visible_from - first_key);
     if (n <= from) continue;
+    if constexpr (!Spread) {
+      // blocks b + 1 .. b + kDecodeBurstBlocks in one burst at the split's first block, the
+      // farthest at each later one (the kernel before DecodePrefetch)
+      for (int64_t a = b == b0 ? 1 : kDecodeBurstBlocks; a <= kDecodeBurstBlocks && b + a < b1; ++a) {
+        const char* kn = reinterpret_cast<const char*>(kpool + static_cast<int64_t>(table[b + a]) * bs * row);
+        const char* vn = reinterpret_cast<const char*>(vpool + static_cast<int64_t>(table[b + a]) * bs * row);
+        for (int64_t off = 0; off < bs * row * static_cast<int64_t>(sizeof(T)); off += 64) {
+          __builtin_prefetch(kn + off, 0, 1);   // prefetcht2: L2
+          __builtin_prefetch(vn + off, 0, 1);
+        }
+      }
+    }
     // a block of 32 keys seen whole (all but the last and a window's edge), bf16: each KV head's
     // group of rows takes the register softmax together (softmax_block32_rows, as the chunk
     // path's whole blocks), probabilities straight to bf16 pairs; outputs bit for bit as the
@@ -1229,7 +1125,7 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
     // block is not whole), the rest at the block's end; at the split's first block in one burst
     const int64_t block_bytes = bs * row * static_cast<int64_t>(sizeof(T));
     DecodePrefetch ahead;
-    if (b + kDecodePrefetchBlocks < b1) {
+    if (Spread && b + kDecodePrefetchBlocks < b1) {
       const int64_t nb = table[b + kDecodePrefetchBlocks];
       const int64_t steps = whole ? kvh * (2 + 2 * group) : kvh * (1 + group);
       ahead = DecodePrefetch{reinterpret_cast<const char*>(kpool + nb * bs * row),
@@ -1238,7 +1134,7 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
       if (b == b0) ahead.finish();
     }
     for (int64_t kv = 0; kv < kvh; ++kv) {
-      ahead.run();
+      if constexpr (Spread) ahead.run();
       const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
       const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
       if constexpr (!bf16 || !kDecodeBf16) {
@@ -1251,12 +1147,12 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
       }
       const int64_t r0 = kv * group;
       for (int64_t r = r0; r < r0 + group; ++r) {
-        ahead.run();
+        if constexpr (Spread) ahead.run();
         const T* qrow = bf16 ? qs + r * d : reinterpret_cast<const T*>(qf.data() + r * d);
         float* sc = scores.data() + r * bs;
         if (whole) {   // raw scores: the softmax scales them
           _mm512_storeu_ps(sc, qk16<T, DC>(qrow, kb, row, 16));
-          ahead.run();
+          if constexpr (Spread) ahead.run();
           _mm512_storeu_ps(sc + 16, qk16<T, DC>(qrow, kb + 16 * row, row, 16));
           continue;
         }
@@ -1278,7 +1174,7 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
             case 3: softmax_block32_rows<3>(mlr, ar, d, scr, bs, scale, pwr, half); break;
             default: softmax_block32_rows<4>(mlr, ar, d, scr, bs, scale, pwr, half); break;
           }
-          ahead.run();
+          if constexpr (Spread) ahead.run();
         }
         for (int64_t rr = r0; !whole && rr < r0 + group; ++rr)   // probabilities -> bf16 pairs (0 past n)
           probs_to_bf16_pairs(scores.data() + rr * bs, bs, pw.data() + rr * half);
@@ -1303,7 +1199,7 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
         if (r < r0 + group) pv_rows<DC, 1>(scores.data() + r * bs, bs, vf.data(), from, n, acc.data() + r * d);
       }
     }
-    ahead.finish();
+    if constexpr (Spread) ahead.finish();
   }
 #if defined(__AVX512BF16__)
   if constexpr (bf16 && kDecodeBf16) decode_acc_order<DC>(acc.data(), h);
@@ -1399,11 +1295,11 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
           // several decodes: their pools stream from memory, so the spread prefetches; one alone
           // (a short context in cache, or one long split into few parts) keeps the bursts
           if (num_decodes > 1)
-            attend_decode_heads<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, bs,
-                                       scale, window, acc, ml, qf, scores, vf, pw);
-          else
-            attend_decode_heads_burst<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh,
+            attend_decode_heads<T, DC, true>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh,
                                              bs, scale, window, acc, ml, qf, scores, vf, pw);
+          else
+            attend_decode_heads<T, DC, false>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh,
+                                              bs, scale, window, acc, ml, qf, scores, vf, pw);
         }
       } else
 #endif
