@@ -147,34 +147,12 @@ inline void micro_a8_avx2(const int32_t* xa, const float* dx, const float* dsum,
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// lane r of the result = op over the 16 lanes of v[r] (v is overwritten): pairs of vectors
-// folded in halves, quarters, then within 128-bit lanes; 15 folds for 16 rows, against 16
-// separate reductions whose shuffle chains ran back to back (perf: most of the quantizer's time)
-template <typename Op>
-inline __m512 reduce_rows16(__m512* v, Op op) {
-  __m512 w[8];
-  for (int i = 0; i < 8; ++i)   // quads: row 2i, 2i, 2i+1, 2i+1
-    w[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 z[4];
-  for (int i = 0; i < 4; ++i)   // quads: rows 4i .. 4i+3
-    z[i] = op(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-              _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  __m512 y[2];
-  for (int i = 0; i < 2; ++i)   // quad L: rows L + 8i (lanes 0, 2) and L + 8i + 4 (lanes 1, 3)
-    y[i] = op(_mm512_unpacklo_ps(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_ps(z[2 * i], z[2 * i + 1]));
-  // lane 4L + j: row L + 4j
-  const __m512 r = op(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]))),
-                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(y[0]), _mm512_castps_pd(y[1]))));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, r);
-}
-
 // rows r0 .. r0 + MB8 - 1 of x [m, k] (rows past m zero): xq words [k/4][MB8], dx and
 // dx * sum(xq) [groups][MB8]. Sixteen rows of a group at a time: their maxima and sums reduced
-// together (reduce_rows16), each row's eight words through a buffer and gathered back as eight
-// vectors of sixteen rows. The same values as one row at a time (the scalar loop before this):
-// the same division, the same round-to-nearest-even, the same int32 sums
+// together (reduce16, fast_math.h; one row at a time they ran 16 shuffle chains back to back),
+// each row's eight words through a buffer and gathered back as eight vectors of sixteen rows.
+// The same values as one row at a time (the scalar loop before this): the same division, the
+// same round-to-nearest-even, the same int32 sums
 template <typename T>
 void quantize_block(const T* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx, float* dsum) {
   const int64_t groups = k / 32;
@@ -199,7 +177,7 @@ void quantize_block(const T* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, f
       __m512 v[16];
       for (int r = 0; r < 16; ++r)
         v[r] = _mm512_max_ps(_mm512_andnot_ps(sign, row(r, 0)), _mm512_andnot_ps(sign, row(r, 1)));
-      const __m512 amax = reduce_rows16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+      const __m512 amax = reduce16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
       const __m512 d = _mm512_mask_div_ps(_mm512_set1_ps(1.f), _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
                                           amax, _mm512_set1_ps(127.f));
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), d));
@@ -215,7 +193,7 @@ void quantize_block(const T* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, f
                            _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(qa)),
                                                    _mm512_cvtsepi32_epi8(qb), 1));
       }
-      const __m512i sum = _mm512_castps_si512(reduce_rows16(v, [](__m512 a, __m512 b) {
+      const __m512i sum = _mm512_castps_si512(reduce16(v, [](__m512 a, __m512 b) {
         return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
       }));
       for (int j = 0; j < 8; ++j)
