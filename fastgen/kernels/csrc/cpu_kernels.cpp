@@ -1024,25 +1024,22 @@ constexpr int64_t kDecodePrefetchBlocks = 1;   // the next block (2 and 3 measur
 constexpr int64_t kDecodeBurstBlocks = 3;      // one decode alone: the blocks its bursts reach
 
 // The lines of one key block (K and V) to prefetch into L2, issued a piece at a time by run()
-// at each step of the block before it, the rest by finish()
+// at each step of the block before it, the rest by finish(). Lines go out in chunks of 8,
+// unrolled (no loop exit a chunk to mispredict); piece is whole chunks. A block whose lines are
+// not a multiple of 8 has its last chunk run past its end: prefetches there fetch a few lines of
+// a neighbour and never fault.
+constexpr int64_t kPrefetchChunk = 8 * 64;
 struct DecodePrefetch {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t off = 0, end = 0, piece = 0;
   inline void run() {
-    if (off >= end) return;
-    if (piece == 512) {   // 8 lines (a whole bf16 block of SmolLM2's shape): unrolled, no loop exit to mispredict
+    for (const int64_t stop = std::min(end, off + piece); off < stop; off += kPrefetchChunk) {
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
-        __builtin_prefetch(k + off + 64 * i, 0, 1);
+        __builtin_prefetch(k + off + 64 * i, 0, 1);   // prefetcht2: L2
         __builtin_prefetch(v + off + 64 * i, 0, 1);
       }
-      off += 512;
-      return;
-    }
-    for (const int64_t stop = std::min(end, off + piece); off < stop; off += 64) {
-      __builtin_prefetch(k + off, 0, 1);   // prefetcht2: L2
-      __builtin_prefetch(v + off, 0, 1);
     }
   }
   inline void finish() {
@@ -1089,13 +1086,14 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
     const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
     const int64_t from = std::max<int64_t>(0, visible_from - first_key);
     if (n <= from) continue;
+    const int64_t block_bytes = bs * row * static_cast<int64_t>(sizeof(T));
     if constexpr (!Spread) {
       // blocks b + 1 .. b + kDecodeBurstBlocks in one burst at the split's first block, the
       // farthest at each later one (the kernel before DecodePrefetch)
       for (int64_t a = b == b0 ? 1 : kDecodeBurstBlocks; a <= kDecodeBurstBlocks && b + a < b1; ++a) {
         const char* kn = reinterpret_cast<const char*>(kpool + static_cast<int64_t>(table[b + a]) * bs * row);
         const char* vn = reinterpret_cast<const char*>(vpool + static_cast<int64_t>(table[b + a]) * bs * row);
-        for (int64_t off = 0; off < bs * row * static_cast<int64_t>(sizeof(T)); off += 64) {
+        for (int64_t off = 0; off < block_bytes; off += 64) {
           __builtin_prefetch(kn + off, 0, 1);   // prefetcht2: L2
           __builtin_prefetch(vn + off, 0, 1);
         }
@@ -1111,14 +1109,14 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
     // the next block, K and V, into L2 while this one computes, a piece at each of this block's
     // steps (per KV head: its start, each row's two score halves, the softmax; fewer where the
     // block is not whole), the rest at the block's end; at the split's first block in one burst
-    const int64_t block_bytes = bs * row * static_cast<int64_t>(sizeof(T));
     DecodePrefetch ahead;
     if (Spread && b + kDecodePrefetchBlocks < b1) {
       const int64_t nb = table[b + kDecodePrefetchBlocks];
       const int64_t steps = whole ? kvh * (2 + 2 * group) : kvh * (1 + group);
+      const int64_t chunks = (block_bytes + kPrefetchChunk - 1) / kPrefetchChunk;
       ahead = DecodePrefetch{reinterpret_cast<const char*>(kpool + nb * bs * row),
                              reinterpret_cast<const char*>(vpool + nb * bs * row), 0, block_bytes,
-                             (block_bytes / 64 + steps - 1) / steps * 64};
+                             (chunks + steps - 1) / steps * kPrefetchChunk};
       if (b == b0) ahead.finish();
     }
     for (int64_t kv = 0; kv < kvh; ++kv) {
