@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -370,10 +371,225 @@ inline void micro_a8_8rows(const int32_t* xa, const float* dx, const float* dsum
 #endif
 #endif
 
+#if defined(FASTGEN_A8_VNNI) && defined(__AVX512VL__)
+#define FASTGEN_A8_FEW 1
+// A few rows (decode batches): one output feature per vector lane instead of one row. The blocks
+// above unpack every panel of W into a buffer of words through 8 x 8 transposes and read it back
+// as broadcasts, whatever the rows: at 4-8 rows that was ~60% of the product (perf, Zen 4:
+// SmolLM2's 120 layer products took ~9.4 ms at 4 rows and at 8). Here sixteen features' 16-byte
+// groups are loaded into four registers and turned in registers into the group's four words of
+// nibbles per feature (vpermt2d, vshufi64x2), masked into eight vectors of unsigned bytes, and
+// each row's x is broadcast 4 bytes at a time from memory. Every (row, feature) takes the block
+// kernels' operations in their order (exact int32 group sums, then per group a conversion, the
+// FMA by dx * s, the FMA by dsum * m; the tile's silu and bias), so a row's output is the same
+// bit for bit on either path.
+constexpr int kFewRows = 8;       // rows a pass keeps in registers
+constexpr int kFewMaxRows = 16;   // at most this many rows take this path (passes of kFewRows)
+#ifndef FEW_AHEAD
+#define FEW_AHEAD 2
+#endif
+constexpr int64_t kFewAhead = FEW_AHEAD;
+
+// rows 0 .. m - 1 of x [m, k] rounded per group of 32 as quantize_block rounds them (the same
+// division, rounding and int32 sums): xq [m][k] int8 in x's order, dx and dsum [m][groups]
+template <typename T>
+void quantize_rows_few(const T* x, int64_t m, int64_t k, int8_t* xq, float* dx, float* dsum) {
+  const int64_t groups = k / 32;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 a = load16(x + r * k + g * 32), b = load16(x + r * k + g * 32 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+      const float d = amax > 0.f ? amax / 127.f : 1.f;
+      const __m512 iv = _mm512_set1_ps(1.f / d);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + g * 32),
+                          _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(qa)),
+                                                  _mm512_cvtsepi32_epi8(qb), 1));
+      dx[r * groups + g] = d;
+      dsum[r * groups + g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+}
+
+// fp16 values [16 features][groups] (feature rows `groups` apart) -> fp32 [groups][16]
+inline void features_by_group(const uint16_t* const* rows, int64_t groups, float* out) {
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t len = std::min<int64_t>(16, groups - g0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
+    __m512 v[16];
+    for (int c = 0; c < 16; ++c) v[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, rows[c] + g0));
+    transpose16(v);   // v[i]: group g0 + i, lane c = feature c
+    for (int64_t i = 0; i < len; ++i) _mm512_storeu_ps(out + (g0 + i) * 16, v[i]);
+  }
+}
+
+// one panel of sixteen 4-bit features (rows[c]: feature c's weight bytes) against R rows of x:
+// acc[r] lane c = the block kernels' fp32 sum for (row r, feature c)
+template <int R>
+__attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* rows, int64_t groups,
+                                                          const float* sv, const float* mv, const int8_t* xq,
+                                                          const float* dx, const float* dsum, int64_t k,
+                                                          const char* const* ahead, __m512* acc) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  // dword j of the features' 16-byte groups: lanes 0..7 from the first pair of registers (four
+  // features a register, four words a feature), then 8..15 from the second
+  const __m512i idx01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i idx23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (ahead[0] != nullptr) {   // a later panel's group g: 16 features x 16 bytes, and its scales and minima
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead[0] + g * 256 + 64 * l, 0, 2);
+      if (g % 2 == 0) __builtin_prefetch(ahead[1] + g * 32, 0, 2), __builtin_prefetch(ahead[2] + g * 32, 0, 2);
+    }
+    __m512i z[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m128i* p0 = reinterpret_cast<const __m128i*>(rows[4 * q] + g * 16);
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(p0));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 1] + g * 16)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 2] + g * 16)), 2);
+      z[q] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 3] + g * 16)), 3);
+    }
+    const __m512i t01 = _mm512_permutex2var_epi32(z[0], idx01, z[1]), t23 = _mm512_permutex2var_epi32(z[0], idx23, z[1]);
+    const __m512i u01 = _mm512_permutex2var_epi32(z[2], idx01, z[3]), u23 = _mm512_permutex2var_epi32(z[2], idx23, z[3]);
+    const __m512i words[4] = {_mm512_shuffle_i64x2(t01, u01, 0x44), _mm512_shuffle_i64x2(t01, u01, 0xEE),
+                              _mm512_shuffle_i64x2(t23, u23, 0x44), _mm512_shuffle_i64x2(t23, u23, 0xEE)};
+    __m512i lo[4], hi[4];   // weights 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3 of the group, per feature
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      lo[j] = _mm512_and_si512(words[j], m4), hi[j] = _mm512_and_si512(_mm512_srli_epi16(words[j], 4), m4);
+    const __m512 s = _mm512_loadu_ps(sv + g * 16), mn = _mm512_loadu_ps(mv + g * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xg = xq + r * k + g * 32;
+      auto word = [&](int at) {
+        int32_t w;
+        std::memcpy(&w, xg + at, 4);
+        return _mm512_set1_epi32(w);
+      };
+      __m512i i32 = _mm512_dpbusd_epi32(zeroed_si512(), lo[0], word(0));
+#pragma GCC unroll 4
+      for (int j = 1; j < 4; ++j) i32 = _mm512_dpbusd_epi32(i32, lo[j], word(4 * j));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) i32 = _mm512_dpbusd_epi32(i32, hi[j], word(16 + 4 * j));
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_mul_ps(_mm512_set1_ps(dx[r * groups + g]), s),
+                                       g == 0 ? _mm512_setzero_ps() : acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dsum[r * groups + g]), mn, t);
+    }
+  }
+}
+
+template <typename T>
+void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias,
+                  T* y, int64_t m, int64_t n, int64_t k, bool silu) {
+  const int64_t out_n = silu ? n / 2 : n, groups = k / 32, row_bytes = k / 2;
+  const int64_t panels = (out_n + 15) / 16;
+  static thread_local std::vector<int8_t> xq_store;
+  static thread_local std::vector<float> d_store;
+  if (xq_store.size() < static_cast<size_t>(m * k)) xq_store.resize(m * k);
+  if (d_store.size() < static_cast<size_t>(2 * m * groups)) d_store.resize(2 * m * groups);
+  int8_t* xq = xq_store.data();
+  float* dx = d_store.data();
+  float* dsum = dx + m * groups;
+  quantize_rows_few<T>(x, m, k, xq, dx, dsum);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> sm(4 * 16 * groups);   // scales, minima [groups][16]; the up half's after them
+    auto panel_rows = [&](int64_t f0, int nc, const uint8_t** wr, const uint16_t** sr, const uint16_t** mr) {
+      for (int c = 0; c < 16; ++c) {   // features past nc repeat the last one; their lanes are not stored
+        const int64_t f = f0 + std::min(c, nc - 1);
+        wr[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins + f * groups;
+      }
+    };
+    auto prefetch_panel = [&](int64_t f0, int64_t f1) {   // into L2: 16 rows a group at a time are no stream
+      const char* wp = reinterpret_cast<const char*>(qw + f0 * row_bytes);
+      for (int64_t off = 0; off < (f1 - f0) * row_bytes; off += 64) __builtin_prefetch(wp + off, 0, 1);
+      for (const uint16_t* a : {scales, mins}) {
+        const char* p = reinterpret_cast<const char*>(a + f0 * groups);
+        for (int64_t off = 0; off < (f1 - f0) * groups * 2; off += 64) __builtin_prefetch(p + off, 0, 1);
+      }
+    };
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      const int64_t o0 = pi * 16;
+      const int nc = static_cast<int>(std::min<int64_t>(16, out_n - o0));
+      // the first panels of this task in one burst; then each panel's groups prefetch panel
+      // pi + kFewAhead's groups as they go (a burst of a whole panel's lines at each panel's
+      // start stalled the core: from memory 2.7x the time in cache at one row)
+      if (pi == p0)
+        for (int64_t a = 0; a < kFewAhead && pi + a < p1; ++a)
+          for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
+            const int64_t f0 = (pi + a) * 16 + half * out_n;
+            prefetch_panel(f0, std::min<int64_t>(f0 + 16, half * out_n + out_n));
+          }
+      const char* ahead[2][3] = {{nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}};
+      if (pi + kFewAhead < p1 && (pi + kFewAhead + 1) * 16 <= out_n)   // whole panels only
+        for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
+          const int64_t f0 = (pi + kFewAhead) * 16 + half * out_n;
+          ahead[half][0] = reinterpret_cast<const char*>(qw + f0 * row_bytes);
+          ahead[half][1] = reinterpret_cast<const char*>(scales + f0 * groups);
+          ahead[half][2] = reinterpret_cast<const char*>(mins + f0 * groups);
+        }
+      const uint8_t* wr[2][16];
+      const uint16_t *sr[16], *mr[16];
+      for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
+        panel_rows(half * out_n + o0, nc, wr[half], sr, mr);
+        features_by_group(sr, groups, sm.data() + half * 32 * groups);
+        features_by_group(mr, groups, sm.data() + half * 32 * groups + 16 * groups);
+      }
+      const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
+      const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
+      for (int64_t r0 = 0; r0 < m; r0 += kFewRows) {
+        const int rn = static_cast<int>(std::min<int64_t>(kFewRows, m - r0));
+        __m512 acc[kFewRows], accu[kFewRows];
+        static const char* const none[3] = {nullptr, nullptr, nullptr};
+        auto run = [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          few_rows_panel<R>(wr[0], groups, sm.data(), sm.data() + 16 * groups, xq + r0 * k, dx + r0 * groups,
+                            dsum + r0 * groups, k, r0 == 0 ? ahead[0] : none, acc);
+          if (silu)
+            few_rows_panel<R>(wr[1], groups, sm.data() + 32 * groups, sm.data() + 48 * groups, xq + r0 * k,
+                              dx + r0 * groups, dsum + r0 * groups, k, r0 == 0 ? ahead[1] : none, accu);
+        };
+        switch (rn) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 4: run(std::integral_constant<int, 4>{}); break;
+          case 5: run(std::integral_constant<int, 5>{}); break;
+          case 6: run(std::integral_constant<int, 6>{}); break;
+          case 7: run(std::integral_constant<int, 7>{}); break;
+          default: run(std::integral_constant<int, 8>{}); break;
+        }
+        for (int r = 0; r < rn; ++r) {
+          __m512 v = acc[r];
+          if (silu) {   // silu_mul_tile's roundings, a vector at a time
+            alignas(64) float gt[16], ut[16];
+            _mm512_store_ps(gt, v);
+            _mm512_store_ps(ut, accu[r]);
+            silu_mul_tile<T, 1, 16>(gt, ut);
+            v = _mm512_load_ps(gt);
+          }
+          const __m512 out = _mm512_add_ps(v, bv);
+          const int64_t at = (r0 + r) * out_n + o0;
+          if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(y + at, cols, out);
+          else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + at, cols, bf16_vec(out));
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias,
                    T* y, int64_t m, int64_t n, int64_t k, int kind, bool silu) {
   // silu: [gate; up] rows, y = silu(gate) * up [m, n / 2], panels in pairs (as qgemm's)
+#if defined(FASTGEN_A8_FEW)
+  static const bool few_on = [] { const char* v = std::getenv("FASTGEN_A8_FEW"); return !(v && v[0] == '0'); }();
+  if (kind == 4 && m <= kFewMaxRows && few_on) {
+    qgemm_a8_few<T>(x, qw, scales, mins, bias, y, m, n, k, silu);
+    return;
+  }
+#endif
   const int64_t out_n = silu ? n / 2 : n;
   const int64_t groups = k / 32, blocks = (m + MB8 - 1) / MB8, panels = (out_n + NR8 - 1) / NR8;
   const int64_t row_bytes8 = kind == 4 ? k / 2 : k;
