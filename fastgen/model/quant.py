@@ -231,6 +231,9 @@ class QuantWeight:
     # than qgemm: SmolLM2's layer shapes, two threads, rate against qgemm's 0.88-0.92x at 16
     # rows, 0.71-1.10x at 64, 1.16-1.35x at 256, 1.08-1.18x at 512 (docs/architecture.md)
     MIN_A8_ROWS = 128
+    # qgemm_a8 takes its few-row path (one output feature per vector lane, W's groups turned into
+    # words in registers) up to this many rows of 4-bit weights (kFewMaxRows, qgemm_a8.cpp)
+    A8_FEW_ROWS = 16
 
     def __init__(self, quant: QuantRows, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
         self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.half().contiguous(),
@@ -276,6 +279,15 @@ class QuantWeight:
         if dtype == torch.bfloat16:
             return self.max_qgemv_rows_bf16, self.act_int8
         return self.max_qgemv_rows, self.act_int8
+
+    def stack_rows(self, dtype: torch.dtype) -> int:
+        """The most rows the native layer stack (fastgen/model/stack.py) runs this format for: past
+        qgemv's limit, qgemm_a8's few-row path (up to ``A8_FEW_ROWS`` rows of 4-bit weights, one
+        output feature per vector lane) where the many-row kernel is qgemm_a8."""
+        rows = self.decode_plan(dtype)[0]
+        if self.act_int8 and self.quant.kind == 4 and self.min_a8_rows <= self.A8_FEW_ROWS:
+            rows = max(rows, self.A8_FEW_ROWS)
+        return rows
 
     def _decode_rows(self, x: torch.Tensor) -> bool:
         """Whether x's rows are few enough for qgemv (the row limit of x's dtype)."""

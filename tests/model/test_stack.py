@@ -90,3 +90,41 @@ def test_torch_kernels_and_the_off_switch_take_no_stack(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTGEN_LAYER_STACK", "0")
     model.__dict__["_stack"] = None
     assert model._native_stack() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_past_qgemv_the_stack_calls_the_many_row_kernels_the_closures_call(dtype, tmp_path, monkeypatch):
+    """With int8 activations qgemm_a8 has a few-row path (up to 16 rows of 4-bit weights) that beats
+    qgemv from a few rows: where the measured limits send such batches to it, the stack still runs
+    them, calling qgemm (below qgemm_a8's limit) or qgemm_a8 with the bias in fp32, as the closures
+    do, and gives their logits bit for bit (qwen2: a QKV bias)."""
+    from fastgen.model.quant import QuantWeight
+    from fastgen.row_limits import a8_formats, apply_limits
+
+    if 4 not in torch.ops.fastgen.a8_kinds():
+        pytest.skip("no int8-activation kernel for 4-bit rows on this host (AVX512-VNNI or AVX2)")
+    path = _checkpoint("qwen2", tmp_path)
+    model = load_model(path, dtype=dtype, device=torch.device("cpu"), max_positions=256, kernels="native",
+                       quantization="int4", int8_activations=True)
+    cfg = ModelConfig.from_hf(load_hf_config(path))
+    formats = a8_formats(model)
+    assert formats
+    apply_limits(model, formats, 2, 4)   # qgemv up to 2 rows, qgemm for 3, qgemm_a8 from 4
+    model.__dict__["_stack"] = None
+    stack = model._native_stack()
+    assert stack is not None and stack.max_rows == QuantWeight.A8_FEW_ROWS
+    gen = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in range(3, 20)]
+    calls = []
+    real_run = NativeStack.run
+    monkeypatch.setattr(NativeStack, "run", lambda self, x, r, s: calls.append(x.shape[0]) or real_run(self, x, r, s))
+    monkeypatch.setenv("FASTGEN_LAYER_STACK", "0")
+    model.__dict__["_stack"] = None
+    want = ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=1)
+    assert not calls
+    monkeypatch.setenv("FASTGEN_LAYER_STACK", "1")
+    model.__dict__["_stack"] = None
+    got = ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=1)
+    assert {3, 16} <= set(calls) or (3 in calls and max(calls) > 4), sorted(set(calls))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -16,6 +16,7 @@
 #include "quant_rows.h"
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -35,6 +36,7 @@ using RopeWriteKv = std::vector<T>(const T&, const T&, const T&, const T&, const
 using PagedAttention = T(const T&, const T&, const T&, const T&, const T&, const T&, double, int64_t);
 using Gemv = T(const T&, const T&, const OptT&);
 using Qgemv = T(const T&, const T&, const T&, const OptT&, int64_t, bool);
+using Qgemm = T(const T&, const T&, const T&, const OptT&, int64_t, const OptT&, bool);
 
 // The decode-row product of one weight format, as fastgen/model/layers.py (GemvDenseWeight) and
 // fastgen/model/quant.py (QuantWeight) compute it for the rows a LayerStack takes: kind 0 is the
@@ -46,6 +48,10 @@ struct Product {
   OptT scales, mins, bias;
   bool act_int8 = false;
   NextRows rows;   // kind 4 / 8: what qgemv prefetches the start of while the product before runs
+  // quantized rows: up to qgemv_rows rows take qgemv; more take qgemm_a8 from a8_rows on, qgemm
+  // below it, with the bias in fp32 (QuantWeight.matmul's choice, so the closures' result bit for bit)
+  int64_t qgemv_rows = std::numeric_limits<int64_t>::max(), a8_rows = std::numeric_limits<int64_t>::max();
+  OptT bias_f32;
 };
 
 struct StackLayer {
@@ -68,7 +74,9 @@ class LayerStack {
         rope_write_kv_(handle<RopeWriteKv>("fastgen::rope_write_kv")),
         paged_attention_(handle<PagedAttention>("fastgen::paged_attention")),
         gemv_(handle<Gemv>("fastgen::gemv")),
-        qgemv_(handle<Qgemv>("fastgen::qgemv")) {}
+        qgemv_(handle<Qgemv>("fastgen::qgemv")),
+        qgemm_(handle<Qgemm>("fastgen::qgemm")),
+        qgemm_a8_(handle<Qgemm>("fastgen::qgemm_a8")) {}
 
   void add_layer(StackLayer l) {
     max_layer_ = std::max(max_layer_, l.layer);
@@ -105,6 +113,9 @@ class LayerStack {
   // `next`: the product that follows this one (its rows' start prefetched meanwhile), or nullptr
   T product(const Product& p, const T& x, const Product* next) {
     if (p.kind == 0) return gemv_.call(x, p.weight, p.bias);
+    if (x.size(0) > p.qgemv_rows)   // a decode batch past qgemv's limit: the many-row kernels
+      return (x.size(0) >= p.a8_rows ? qgemm_a8_ : qgemm_)
+          .call(x, p.weight, *p.scales, p.mins, p.kind, p.bias_f32, false);
     // the hint lives for this call only (qgemv takes it at entry; cleared however the call ends)
     struct Clear {
       ~Clear() { fastgen_kernels::set_next_rows(nullptr); }
@@ -122,9 +133,11 @@ class LayerStack {
   c10::TypedOperatorHandle<PagedAttention> paged_attention_;
   c10::TypedOperatorHandle<Gemv> gemv_;
   c10::TypedOperatorHandle<Qgemv> qgemv_;
+  c10::TypedOperatorHandle<Qgemm> qgemm_, qgemm_a8_;
 };
 
-Product make_product(int64_t kind, T weight, OptT scales, OptT mins, OptT bias, bool act_int8) {
+Product make_product(int64_t kind, T weight, OptT scales, OptT mins, OptT bias, bool act_int8, int64_t qgemv_rows,
+                     int64_t a8_rows) {
   TORCH_CHECK(kind == 0 || kind == 4 || kind == 8, "LayerStack: product kind must be 0 (dense), 4 or 8, got ", kind);
   TORCH_CHECK(kind == 0 || scales.has_value(), "LayerStack: quantized rows need their scales");
   NextRows rows;
@@ -134,7 +147,10 @@ Product make_product(int64_t kind, T weight, OptT scales, OptT mins, OptT bias, 
     const QuantRowsPtrs p = check_quant_rows("LayerStack", weight, *scales, mins, kind, k);
     rows = NextRows{weight.data_ptr<uint8_t>(), p.scales, p.mins, weight.size(0), weight.size(1), k / 32};
   }
-  return Product{kind, std::move(weight), std::move(scales), std::move(mins), std::move(bias), act_int8, rows};
+  OptT bias_f32;
+  if (bias.has_value() && bias->defined()) bias_f32 = bias->to(at::kFloat).contiguous();
+  return Product{kind,     std::move(weight), std::move(scales), std::move(mins), std::move(bias), act_int8, rows,
+                 qgemv_rows, a8_rows, std::move(bias_f32)};
 }
 
 }  // namespace
@@ -161,7 +177,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Product>(m, "Product");
   m.def("product", &make_product, py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"),
-        py::arg("bias"), py::arg("act_int8"));
+        py::arg("bias"), py::arg("act_int8"), py::arg("qgemv_rows") = std::numeric_limits<int64_t>::max(),
+        py::arg("a8_rows") = std::numeric_limits<int64_t>::max());
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<>())
       .def("add_layer",
