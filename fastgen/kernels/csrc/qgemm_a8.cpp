@@ -383,12 +383,26 @@ inline void micro_a8_8rows(const int32_t* xa, const float* dx, const float* dsum
 // kernels' operations in their order (exact int32 group sums, then per group a conversion, the
 // FMA by dx * s, the FMA by dsum * m; the tile's silu and bias), so a row's output is the same
 // bit for bit on either path.
-constexpr int kFewRows = 8;       // rows a pass keeps in registers
+#ifndef FEW_ROWS
+#define FEW_ROWS 16
+#endif
+// rows a pass takes: sixteen, the W words built once a group for all of them (two passes of eight
+// built them twice: 1.11x the time at 12 rows, 1.20x at 16; level at 8)
+constexpr int kFewRows = FEW_ROWS;
 constexpr int kFewMaxRows = 16;   // at most this many rows take this path (passes of kFewRows)
 #ifndef FEW_AHEAD
 #define FEW_AHEAD 2
 #endif
 constexpr int64_t kFewAhead = FEW_AHEAD;
+
+// f(std::integral_constant<int, n>) for n in 1 .. N
+template <int N, typename F>
+inline void by_count(int n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return by_count<N - 1>(n, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
 
 // rows 0 .. m - 1 of x [m, k] rounded per group of 32 as quantize_block rounds them (the same
 // division, rounding and int32 sums): xq [m][k] int8 in x's order, dx and dsum [m][groups]
@@ -549,16 +563,7 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
             few_rows_panel<R>(wr[1], groups, sm.data() + 32 * groups, sm.data() + 48 * groups, xq + r0 * k,
                               dx + r0 * groups, dsum + r0 * groups, k, r0 == 0 ? ahead[1] : none, accu);
         };
-        switch (rn) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          case 4: run(std::integral_constant<int, 4>{}); break;
-          case 5: run(std::integral_constant<int, 5>{}); break;
-          case 6: run(std::integral_constant<int, 6>{}); break;
-          case 7: run(std::integral_constant<int, 7>{}); break;
-          default: run(std::integral_constant<int, 8>{}); break;
-        }
+        by_count<kFewRows>(rn, run);
         for (int r = 0; r < rn; ++r) {
           __m512 v = acc[r];
           if (silu) {   // silu_mul_tile's roundings, a vector at a time
