@@ -15,7 +15,10 @@ in tiles) above that, and ``qgemm_a8`` (the same tiles in int8 through VNNI) fro
    at every larger one (none: ``qgemm`` throughout);
 2. then ``qgemv`` against the many-row path those rows would take, at the rows of
    :data:`QGEMV_LADDER`; ``max_qgemv_rows`` is the largest of them up to which ``qgemv`` is the
-   faster at every one.
+   faster at every one;
+3. the output head, where it has an int8 format (SmolLM2's tied embedding: 8-bit rows), the same
+   two steps over its own product at the rows of :data:`HEAD_LADDER`: its rows are decode batches,
+   and its crossovers are its own.
 
 Each point is the median of :data:`NUM_REPEATS` passes, the two kernels alternating. The points
 and the choice are cached in fastgen's cache folder with the budget's key (CPU flags, threads,
@@ -50,6 +53,11 @@ QGEMV_LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24)
 # from 2 rows: up to 16 rows qgemm_a8 takes its few-row path (12-05), which beat qgemv from 4 rows on
 # the Zen 4 host (SmolLM2's 120 layer products from memory, 8 rows: 7.3 against 11.0 ms)
 A8_LADDER = (2, 4, 8, 12, 16, 32, 64, 128)
+# the output head (SmolLM2: its tied embedding, 8-bit rows) is measured apart, on its own points:
+# its rows are decode batches (a prompt step takes logits of its sampled rows only), and its
+# crossovers differ from the layers' (Zen 4, SmolLM2's Q8_0 head, ms qgemv / qgemm_a8 / qgemm: 8
+# rows 3.2 / 2.0 / 6.0, 16: 6.6 / 3.1 / 5.0; it had the fixed limit, qgemv to 8, qgemm past it)
+HEAD_LADDER = (2, 4, 8, 12, 16)
 NUM_REPEATS = 3
 MAX_MEASURE_S = 20.0
 NEVER = 1 << 30                     # min_a8_rows where qgemm_a8 never wins
@@ -62,18 +70,22 @@ class RowLimits:
     qgemv_points: tuple[tuple[int, float, float], ...]   # (rows, qgemv ms, many-row path ms)
     a8_points: tuple[tuple[int, float, float], ...]      # (rows, qgemm_a8 ms, qgemm ms)
     cached: bool = False
+    # the output head's (None where it has no int8 format): the same, over its own product
+    head: "RowLimits | None" = None
 
     @property
     def key(self) -> str:
         """The choice, as the budget's cache key takes it (its curve runs through these kernels)."""
-        return f"|rows<={self.max_qgemv_rows},a8>={self.min_a8_rows}"
+        head = "" if self.head is None else f",head<={self.head.max_qgemv_rows},a8>={self.head.min_a8_rows}"
+        return f"|rows<={self.max_qgemv_rows},a8>={self.min_a8_rows}{head}"
 
     def describe(self) -> str:
         a8 = "never" if self.min_a8_rows >= NEVER else str(self.min_a8_rows)
         gv = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.qgemv_points)
         q8 = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.a8_points)
+        head = "" if self.head is None else f"; output head: {self.head.describe().removeprefix('row limits: ')}"
         return (f"row limits: qgemv up to {self.max_qgemv_rows} rows, qgemm_a8 from {a8} (ms qgemv/other {gv}; "
-                f"ms qgemm_a8/qgemm {q8}{'; cached' if self.cached else ''})")
+                f"ms qgemm_a8/qgemm {q8}{'; cached' if self.cached else ''}){head}")
 
 
 def choose_limits(qgemv_points, a8_points) -> tuple[int, int]:
@@ -92,13 +104,19 @@ def choose_limits(qgemv_points, a8_points) -> tuple[int, int]:
 
 
 def a8_formats(model: torch.nn.Module) -> list[QuantWeight]:
-    """The model's 4-bit layer formats with int8 activations, in model order (the output head
-    and 8-bit rows keep their fixed limits)."""
+    """The model's 4-bit layer formats with int8 activations, in model order (8-bit layer rows
+    keep their fixed limits; the output head is measured apart, :func:`head_format`)."""
     layers = getattr(model, "layers", None)
     if layers is None:
         return []
     return [m.format for m in layers.modules()
             if type(getattr(m, "format", None)) is QuantWeight and m.format.act_int8 and m.format.quant.kind == 4]
+
+
+def head_format(model: torch.nn.Module) -> QuantWeight | None:
+    """The output head's format where it takes int8 activations (any kind with an int8 kernel)."""
+    fmt = getattr(getattr(model, "head", None), "format", None)
+    return fmt if type(fmt) is QuantWeight and fmt.act_int8 else None
 
 
 def _timer(formats: list[QuantWeight], dtype: torch.dtype) -> Callable[[int, Callable], float]:
@@ -109,7 +127,7 @@ def _timer(formats: list[QuantWeight], dtype: torch.dtype) -> Callable[[int, Cal
         t0 = time.perf_counter()
         for f in formats:
             q = f.quant
-            k = q.qweight.shape[1] * 2
+            k = q.qweight.shape[1] * (2 if q.kind == 4 else 1)
             x = xs.get((rows, k))
             if x is None:
                 x = xs[(rows, k)] = torch.randn(rows, k, generator=gen).to(dtype)
@@ -134,7 +152,8 @@ def _qgemm_a8(f: QuantWeight, x: torch.Tensor) -> None:
 
 
 def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Callable[[], None] | None = None,
-                   max_s: float = MAX_MEASURE_S):
+                   max_s: float = MAX_MEASURE_S, a8_ladder: tuple[int, ...] = A8_LADDER,
+                   qgemv_ladder: tuple[int, ...] = QGEMV_LADDER):
     """``(qgemv_points, a8_points)``, or None when measuring ran past ``max_s``."""
     one_pass = _timer(formats, dtype)
     start = time.perf_counter()
@@ -150,13 +169,13 @@ def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Cal
         return rows, statistics.median(a), statistics.median(b)
 
     a8_points = []
-    for n in A8_LADDER:
+    for n in a8_ladder:
         a8_points.append(compare(n, _qgemm_a8, _qgemm))
         if time.perf_counter() - start > max_s:
             return None
     _, min_a8 = choose_limits([], a8_points)
     qgemv_points = []
-    for n in QGEMV_LADDER:
+    for n in qgemv_ladder:
         qgemv_points.append(compare(n, _qgemv, _qgemm_a8 if n >= min_a8 else _qgemm))
         if time.perf_counter() - start > max_s:
             return None
@@ -184,33 +203,51 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
         return None
     key = _host_key(config.model_path, config.dtype, config.kernels, config.num_threads, config.cache.block_size,
                     config.device, config.tensor_parallel_size,
-                    f"{config.quantization}|a8={config.int8_activations}|rows{QGEMV_LADDER}{A8_LADDER}")
+                    f"{config.quantization}|a8={config.int8_activations}|rows{QGEMV_LADDER}{A8_LADDER}"
+                    f"|head{HEAD_LADDER}")
+    head = head_format(model)
     path: Path = cache_dir() / "row-limits" / f"{key}.json"
-    points, cached = None, False
+    points, head_points, cached = None, None, False
     try:
         data = json.loads(path.read_text())
         points = (tuple(tuple(p) for p in data["qgemv"]), tuple(tuple(p) for p in data["a8"]))
+        if head is not None:
+            head_points = (tuple(tuple(p) for p in data["head_qgemv"]), tuple(tuple(p) for p in data["head_a8"]))
         cached = True
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        points = None
     if points is None:
         from tqdm.auto import tqdm
 
-        with torch.inference_mode(), tqdm(total=len(A8_LADDER) + len(QGEMV_LADDER), desc="measuring kernel row limits",
-                                          unit="size", leave=False) as bar:
+        total = len(A8_LADDER) + len(QGEMV_LADDER) + (2 * len(HEAD_LADDER) if head is not None else 0)
+        start = time.perf_counter()
+        with torch.inference_mode(), tqdm(total=total, desc="measuring kernel row limits", unit="size",
+                                          leave=False) as bar:
             points = measure_points(formats, config.dtype, progress=lambda: bar.update(1))
-        if points is None:
+            if points is not None and head is not None:
+                head_points = measure_points([head], config.dtype, progress=lambda: bar.update(1),
+                                             max_s=MAX_MEASURE_S - (time.perf_counter() - start),
+                                             a8_ladder=HEAD_LADDER, qgemv_ladder=HEAD_LADDER)
+        if points is None or (head is not None and head_points is None):
             log.warning("kernel row limits not measured (past %.0f s): the fixed limits serve", MAX_MEASURE_S)
             return None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"qgemv": points[0], "a8": points[1]}))
+            record = {"qgemv": points[0], "a8": points[1]}
+            if head_points is not None:
+                record.update(head_qgemv=head_points[0], head_a8=head_points[1])
+            tmp.write_text(json.dumps(record))
             tmp.replace(path)
         except OSError as e:
             log.warning("could not cache the kernel row limits (%s)", e)
+    head_limits = None
+    if head is not None:
+        head_qgemv, head_a8 = choose_limits(*head_points)
+        apply_limits(model, [head], head_qgemv, head_a8)
+        head_limits = RowLimits(head_qgemv, head_a8, head_points[0], head_points[1], cached)
     max_qgemv, min_a8 = choose_limits(*points)
     apply_limits(model, formats, max_qgemv, min_a8)
-    limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached)
+    limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached, head_limits)
     log.info("%s", limits.describe())
     return limits

@@ -75,6 +75,16 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
     assert formats and all(f.max_qgemv_rows == limits.max_qgemv_rows and f.min_a8_rows == limits.min_a8_rows
                            for f in formats)
     stack = engine.model._native_stack()
+    # the output head (int4 here, int8 activations) is measured apart and gets its own limits
+    from fastgen.row_limits import HEAD_LADDER, head_format
+
+    head = head_format(engine.model)
+    assert head is not None and limits.head is not None
+    assert [n for n, _, _ in limits.head.a8_points] == list(HEAD_LADDER)
+    assert (limits.head.max_qgemv_rows, limits.head.min_a8_rows) == choose_limits(limits.head.qgemv_points,
+                                                                                   limits.head.a8_points)
+    assert (head.max_qgemv_rows, head.min_a8_rows) == (limits.head.max_qgemv_rows, limits.head.min_a8_rows)
+    assert "output head" in limits.describe() and "head<=" in limits.key
     # past qgemv's limit the stack also takes what qgemm_a8's few-row path takes, where it is the choice
     few = QuantWeight.A8_FEW_ROWS if limits.min_a8_rows <= QuantWeight.A8_FEW_ROWS else 0
     assert stack is not None and stack.max_rows == max(limits.max_qgemv_rows, few)
@@ -82,6 +92,7 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
 
     again = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts).row_limits
     assert again.cached and again.a8_points == limits.a8_points and again.qgemv_points == limits.qgemv_points
+    assert again.head is not None and again.head.qgemv_points == limits.head.qgemv_points
 
     monkeypatch.setenv("FASTGEN_ROW_LIMITS", "fixed")
     fixed = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts)
