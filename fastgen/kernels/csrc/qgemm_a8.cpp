@@ -437,43 +437,62 @@ inline void features_by_group(const uint16_t* const* rows, int64_t groups, float
   }
 }
 
-// one panel of sixteen 4-bit features (rows[c]: feature c's weight bytes) against R rows of x:
-// acc[r] lane c = the block kernels' fp32 sum for (row r, feature c)
-template <int R>
+// dword `half * 4 + j` (j = 0..3) of sixteen features' group g (16 or 32 bytes a feature, the
+// group's bytes at rows[c] + g * gbytes): four registers of four features' 16 bytes each, then
+// lanes 0..7 from the first pair and 8..15 from the second (vpermt2d, vshufi64x2)
+__attribute__((always_inline)) inline void group_words(const uint8_t* const* rows, int64_t at, __m512i* words) {
+  const __m512i idx01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i idx23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  __m512i z[4];
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q] + at)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 1] + at)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 2] + at)), 2);
+    z[q] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 3] + at)), 3);
+  }
+  const __m512i t01 = _mm512_permutex2var_epi32(z[0], idx01, z[1]), t23 = _mm512_permutex2var_epi32(z[0], idx23, z[1]);
+  const __m512i u01 = _mm512_permutex2var_epi32(z[2], idx01, z[3]), u23 = _mm512_permutex2var_epi32(z[2], idx23, z[3]);
+  words[0] = _mm512_shuffle_i64x2(t01, u01, 0x44), words[1] = _mm512_shuffle_i64x2(t01, u01, 0xEE);
+  words[2] = _mm512_shuffle_i64x2(t23, u23, 0x44), words[3] = _mm512_shuffle_i64x2(t23, u23, 0xEE);
+}
+
+// one panel of sixteen features (rows[c]: feature c's weight bytes; KIND 4: Q4 nibbles, 16 bytes a
+// group; KIND 8: int8, 32 bytes a group, taken as q + 128) against R rows of x: acc[r] lane c = the
+// block kernels' fp32 sum for (row r, feature c)
+template <int KIND, int R>
 __attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* rows, int64_t groups,
                                                           const float* sv, const float* mv, const int8_t* xq,
                                                           const float* dx, const float* dsum, int64_t k,
                                                           const char* const* ahead, __m512* acc) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  // dword j of the features' 16-byte groups: lanes 0..7 from the first pair of registers (four
-  // features a register, four words a feature), then 8..15 from the second
-  const __m512i idx01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
-  const __m512i idx23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  constexpr int64_t kGroupBytes = KIND == 4 ? 16 : 32;
   for (int64_t g = 0; g < groups; ++g) {
-    if (ahead[0] != nullptr) {   // a later panel's group g: 16 features x 16 bytes, and its scales and minima
-#pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead[0] + g * 256 + 64 * l, 0, 2);
-      if (g % 2 == 0) __builtin_prefetch(ahead[1] + g * 32, 0, 2), __builtin_prefetch(ahead[2] + g * 32, 0, 2);
-    }
-    __m512i z[4];
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      const __m128i* p0 = reinterpret_cast<const __m128i*>(rows[4 * q] + g * 16);
-      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(p0));
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 1] + g * 16)), 1);
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 2] + g * 16)), 2);
-      z[q] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + 3] + g * 16)), 3);
-    }
-    const __m512i t01 = _mm512_permutex2var_epi32(z[0], idx01, z[1]), t23 = _mm512_permutex2var_epi32(z[0], idx23, z[1]);
-    const __m512i u01 = _mm512_permutex2var_epi32(z[2], idx01, z[3]), u23 = _mm512_permutex2var_epi32(z[2], idx23, z[3]);
-    const __m512i words[4] = {_mm512_shuffle_i64x2(t01, u01, 0x44), _mm512_shuffle_i64x2(t01, u01, 0xEE),
-                              _mm512_shuffle_i64x2(t23, u23, 0x44), _mm512_shuffle_i64x2(t23, u23, 0xEE)};
-    __m512i lo[4], hi[4];   // weights 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3 of the group, per feature
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j)
-      lo[j] = _mm512_and_si512(words[j], m4), hi[j] = _mm512_and_si512(_mm512_srli_epi16(words[j], 4), m4);
-    const __m512 s = _mm512_loadu_ps(sv + g * 16), mn = _mm512_loadu_ps(mv + g * 16);
+    if (ahead[0] != nullptr) {   // a later panel's group g: 16 features' bytes, and its scales and minima
 #pragma GCC unroll 8
+      for (int l = 0; l < kGroupBytes / 4; ++l) __builtin_prefetch(ahead[0] + g * 16 * kGroupBytes + 64 * l, 0, 2);
+      if (g % 2 == 0) {
+        __builtin_prefetch(ahead[1] + g * 32, 0, 2);
+        if (ahead[2] != nullptr) __builtin_prefetch(ahead[2] + g * 32, 0, 2);
+      }
+    }
+    // u[j]: weights 4j .. 4j + 3 of the group, per feature, as unsigned bytes
+    __m512i u[8];
+    if constexpr (KIND == 4) {   // byte i holds weight i (low nibble) and 16 + i (high)
+      const __m512i m4 = _mm512_set1_epi8(0x0F);
+      __m512i words[4];
+      group_words(rows, g * 16, words);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        u[j] = _mm512_and_si512(words[j], m4), u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(words[j], 4), m4);
+    } else {
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      group_words(rows, g * 32, u);
+      group_words(rows, g * 32 + 16, u + 4);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(u[j], flip);
+    }
+    const __m512 s = _mm512_loadu_ps(sv + g * 16), mn = _mm512_loadu_ps(mv + g * 16);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * k + g * 32;
       auto word = [&](int at) {
@@ -481,11 +500,9 @@ __attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* 
         std::memcpy(&w, xg + at, 4);
         return _mm512_set1_epi32(w);
       };
-      __m512i i32 = _mm512_dpbusd_epi32(zeroed_si512(), lo[0], word(0));
-#pragma GCC unroll 4
-      for (int j = 1; j < 4; ++j) i32 = _mm512_dpbusd_epi32(i32, lo[j], word(4 * j));
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) i32 = _mm512_dpbusd_epi32(i32, hi[j], word(16 + 4 * j));
+      __m512i i32 = _mm512_dpbusd_epi32(zeroed_si512(), u[0], word(0));
+#pragma GCC unroll 8
+      for (int j = 1; j < 8; ++j) i32 = _mm512_dpbusd_epi32(i32, u[j], word(4 * j));
       const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_mul_ps(_mm512_set1_ps(dx[r * groups + g]), s),
                                        g == 0 ? _mm512_setzero_ps() : acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dsum[r * groups + g]), mn, t);
@@ -495,8 +512,8 @@ __attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* 
 
 template <typename T>
 void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias,
-                  T* y, int64_t m, int64_t n, int64_t k, bool silu) {
-  const int64_t out_n = silu ? n / 2 : n, groups = k / 32, row_bytes = k / 2;
+                  T* y, int64_t m, int64_t n, int64_t k, int kind, bool silu) {
+  const int64_t out_n = silu ? n / 2 : n, groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
   const int64_t panels = (out_n + 15) / 16;
   static thread_local std::vector<int8_t> xq_store;
   static thread_local std::vector<float> d_store;
@@ -511,13 +528,14 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
     auto panel_rows = [&](int64_t f0, int nc, const uint8_t** wr, const uint16_t** sr, const uint16_t** mr) {
       for (int c = 0; c < 16; ++c) {   // features past nc repeat the last one; their lanes are not stored
         const int64_t f = f0 + std::min(c, nc - 1);
-        wr[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins + f * groups;
+        wr[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins != nullptr ? mins + f * groups : nullptr;
       }
     };
     auto prefetch_panel = [&](int64_t f0, int64_t f1) {   // into L2: 16 rows a group at a time are no stream
       const char* wp = reinterpret_cast<const char*>(qw + f0 * row_bytes);
       for (int64_t off = 0; off < (f1 - f0) * row_bytes; off += 64) __builtin_prefetch(wp + off, 0, 1);
       for (const uint16_t* a : {scales, mins}) {
+        if (a == nullptr) continue;
         const char* p = reinterpret_cast<const char*>(a + f0 * groups);
         for (int64_t off = 0; off < (f1 - f0) * groups * 2; off += 64) __builtin_prefetch(p + off, 0, 1);
       }
@@ -540,14 +558,20 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
           const int64_t f0 = (pi + kFewAhead) * 16 + half * out_n;
           ahead[half][0] = reinterpret_cast<const char*>(qw + f0 * row_bytes);
           ahead[half][1] = reinterpret_cast<const char*>(scales + f0 * groups);
-          ahead[half][2] = reinterpret_cast<const char*>(mins + f0 * groups);
+          ahead[half][2] = mins != nullptr ? reinterpret_cast<const char*>(mins + f0 * groups) : nullptr;
         }
       const uint8_t* wr[2][16];
       const uint16_t *sr[16], *mr[16];
       for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
         panel_rows(half * out_n + o0, nc, wr[half], sr, mr);
-        features_by_group(sr, groups, sm.data() + half * 32 * groups);
-        features_by_group(mr, groups, sm.data() + half * 32 * groups + 16 * groups);
+        float* sv = sm.data() + half * 32 * groups;
+        features_by_group(sr, groups, sv);
+        if (kind == 4) {
+          features_by_group(mr, groups, sv + 16 * groups);
+        } else {   // 8-bit rows: q + 128 against x, so the minimum is -128 s (the block kernels' product)
+          for (int64_t i = 0; i < 16 * groups; i += 16)
+            _mm512_storeu_ps(sv + 16 * groups + i, _mm512_mul_ps(_mm512_set1_ps(-128.f), _mm512_loadu_ps(sv + i)));
+        }
       }
       const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
       const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
@@ -555,13 +579,19 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
         const int rn = static_cast<int>(std::min<int64_t>(kFewRows, m - r0));
         __m512 acc[kFewRows], accu[kFewRows];
         static const char* const none[3] = {nullptr, nullptr, nullptr};
+        auto panel = [&](auto kind_c, auto rows, int half, __m512* out) {
+          few_rows_panel<decltype(kind_c)::value, decltype(rows)::value>(
+              wr[half], groups, sm.data() + half * 32 * groups, sm.data() + half * 32 * groups + 16 * groups,
+              xq + r0 * k, dx + r0 * groups, dsum + r0 * groups, k, r0 == 0 ? ahead[half] : none, out);
+        };
         auto run = [&](auto rows) {
-          constexpr int R = decltype(rows)::value;
-          few_rows_panel<R>(wr[0], groups, sm.data(), sm.data() + 16 * groups, xq + r0 * k, dx + r0 * groups,
-                            dsum + r0 * groups, k, r0 == 0 ? ahead[0] : none, acc);
-          if (silu)
-            few_rows_panel<R>(wr[1], groups, sm.data() + 32 * groups, sm.data() + 48 * groups, xq + r0 * k,
-                              dx + r0 * groups, dsum + r0 * groups, k, r0 == 0 ? ahead[1] : none, accu);
+          if (kind == 4) {
+            panel(std::integral_constant<int, 4>{}, rows, 0, acc);
+            if (silu) panel(std::integral_constant<int, 4>{}, rows, 1, accu);
+          } else {
+            panel(std::integral_constant<int, 8>{}, rows, 0, acc);
+            if (silu) panel(std::integral_constant<int, 8>{}, rows, 1, accu);
+          }
         };
         by_count<kFewRows>(rn, run);
         for (int r = 0; r < rn; ++r) {
@@ -590,8 +620,8 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
   // silu: [gate; up] rows, y = silu(gate) * up [m, n / 2], panels in pairs (as qgemm's)
 #if defined(FASTGEN_A8_FEW)
   static const bool few_on = [] { const char* v = std::getenv("FASTGEN_A8_FEW"); return !(v && v[0] == '0'); }();
-  if (kind == 4 && m <= kFewMaxRows && few_on) {
-    qgemm_a8_few<T>(x, qw, scales, mins, bias, y, m, n, k, silu);
+  if (m <= kFewMaxRows && few_on) {
+    qgemm_a8_few<T>(x, qw, scales, mins, bias, y, m, n, k, kind, silu);
     return;
   }
 #endif
