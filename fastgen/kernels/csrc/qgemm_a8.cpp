@@ -371,6 +371,20 @@ inline void micro_a8_8rows(const int32_t* xa, const float* dx, const float* dsum
 #endif
 #endif
 
+// output features f0 .. f1 - 1 of W (their weight rows, row_bytes each, and their fp16 scales and
+// minima, `groups` a row; mins may be null) into L2: the kernels read them a group of 16 or 8
+// features at a time, which the hardware prefetcher does not follow
+inline void prefetch_features(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int64_t row_bytes,
+                              int64_t groups, int64_t f0, int64_t f1) {
+  const char* wp = reinterpret_cast<const char*>(qw + f0 * row_bytes);
+  for (int64_t off = 0; off < (f1 - f0) * row_bytes; off += 64) __builtin_prefetch(wp + off, 0, 1);
+  for (const uint16_t* a : {scales, mins}) {
+    if (a == nullptr) continue;
+    const char* p = reinterpret_cast<const char*>(a + f0 * groups);
+    for (int64_t off = 0; off < (f1 - f0) * groups * 2; off += 64) __builtin_prefetch(p + off, 0, 1);
+  }
+}
+
 #if defined(FASTGEN_A8_VNNI) && defined(__AVX512VL__)
 #define FASTGEN_A8_FEW 1
 // A few rows (decode batches): one output feature per vector lane instead of one row. The blocks
@@ -531,15 +545,6 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
         wr[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins != nullptr ? mins + f * groups : nullptr;
       }
     };
-    auto prefetch_panel = [&](int64_t f0, int64_t f1) {   // into L2: 16 rows a group at a time are no stream
-      const char* wp = reinterpret_cast<const char*>(qw + f0 * row_bytes);
-      for (int64_t off = 0; off < (f1 - f0) * row_bytes; off += 64) __builtin_prefetch(wp + off, 0, 1);
-      for (const uint16_t* a : {scales, mins}) {
-        if (a == nullptr) continue;
-        const char* p = reinterpret_cast<const char*>(a + f0 * groups);
-        for (int64_t off = 0; off < (f1 - f0) * groups * 2; off += 64) __builtin_prefetch(p + off, 0, 1);
-      }
-    };
     for (int64_t pi = p0; pi < p1; ++pi) {
       const int64_t o0 = pi * 16;
       const int nc = static_cast<int>(std::min<int64_t>(16, out_n - o0));
@@ -550,7 +555,7 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
         for (int64_t a = 0; a < kFewAhead && pi + a < p1; ++a)
           for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
             const int64_t f0 = (pi + a) * 16 + half * out_n;
-            prefetch_panel(f0, std::min<int64_t>(f0 + 16, half * out_n + out_n));
+            prefetch_features(qw, scales, mins, row_bytes, groups, f0, std::min<int64_t>(f0 + 16, half * out_n + out_n));
           }
       const char* ahead[2][3] = {{nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}};
       if (pi + kFewAhead < p1 && (pi + kFewAhead + 1) * 16 <= out_n)   // whole panels only
@@ -680,14 +685,8 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
         // time at 16 rows; with this 0.79-0.86x at 16 rows, 0.84-0.91x at 32-64, level at 256)
         for (int64_t a = pi == p0 ? 1 : kPanelsAhead; a <= kPanelsAhead && pi + a < p1; ++a)
           for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
-            const int64_t f0 = (pi + a) * NR8 + half * out_n, f1 = std::min<int64_t>(f0 + NR8, half * out_n + out_n);
-            const char* wp = reinterpret_cast<const char*>(qw + f0 * row_bytes8);
-            for (int64_t off = 0; off < (f1 - f0) * row_bytes8; off += 64) __builtin_prefetch(wp + off, 0, 1);
-            for (const uint16_t* sp : {scales, mins}) {
-              if (sp == nullptr) continue;
-              const char* p = reinterpret_cast<const char*>(sp + f0 * groups);
-              for (int64_t off = 0; off < (f1 - f0) * groups * 2; off += 64) __builtin_prefetch(p + off, 0, 1);
-            }
+            const int64_t f0 = (pi + a) * NR8 + half * out_n;
+            prefetch_features(qw, scales, mins, row_bytes8, groups, f0, std::min<int64_t>(f0 + NR8, half * out_n + out_n));
           }
         unpack_panel(qw, scales, mins, kind, k, o0, nc, u.data(), sm.data(), sm.data() + NR8 * groups);
         if (silu) unpack_panel(qw, scales, mins, kind, k, out_n + o0, nc, uu.data(), smu.data(), smu.data() + NR8 * groups);
