@@ -141,6 +141,44 @@ def measure_curve(model: torch.nn.Module, *, model_config, num_kv_heads: int,
     return curve, True
 
 
+# other processes' average CPU use (CPUs) past which a measurement is used for this start only
+OTHER_LOAD_LIMIT = 0.25
+
+
+class OtherLoad:
+    """The CPUs other processes kept busy, on average, while a ``with`` block ran: the machine's
+    busy time (``/proc/stat``) less this process's own CPU time, over the block's wall time; None
+    where the platform does not say. A calibration measured beside other work would cache a slow
+    curve for every later start (seen here: a start while another server's engine was still
+    shutting down measured 2-3x slow products, and cached a budget of 192 instead of 256)."""
+
+    cpus: float | None = None
+
+    @staticmethod
+    def _machine_busy_s() -> float | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                ticks = [int(v) for v in f.readline().split()[1:9]]   # user .. steal
+            return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def __enter__(self) -> "OtherLoad":
+        self._wall0, self._own0, self._busy0 = time.perf_counter(), time.process_time(), self._machine_busy_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy1, wall = self._machine_busy_s(), time.perf_counter() - self._wall0
+        if busy1 is None or self._busy0 is None or wall <= 0:
+            return
+        own = time.process_time() - self._own0
+        self.cpus = max(0.0, (busy1 - self._busy0) - own) / wall
+
+    @property
+    def too_busy(self) -> bool:
+        return self.cpus is not None and self.cpus > OTHER_LOAD_LIMIT
+
+
 def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: float, kernels: str,
                      num_threads: int, max_tokens: int, tensor_parallel_size: int = 1, precision: str = "",
                      **shape) -> BudgetChoice:
@@ -172,9 +210,14 @@ def calibrate_budget(model: torch.nn.Module, *, model_path: str, target_itl_ms: 
             if bar.n >= bar.total:   # past the ladder's top (a GPU): the bar grows with the curve
                 bar.total += 1
             bar.update(1)
-        curve, complete = measure_curve(model, progress=step, max_tokens=max_tokens,
-                                        extend_under_ms=target_itl_ms, **shape)
+        with OtherLoad() as load:
+            curve, complete = measure_curve(model, progress=step, max_tokens=max_tokens,
+                                            extend_under_ms=target_itl_ms, **shape)
         bar.close()
+        if load.too_busy:
+            log.warning("budget calibration not cached: other processes kept %.1f CPUs busy while it measured; "
+                        "the next start measures again", load.cpus)
+            complete = False
     # a curve cut short by MAX_MEASURE_S (a slow host, or one busy with other work while this
     # measured: seen here, a machine compiling beside it measured 11.5 s for 16 tokens) is used
     # for this start only, not cached: the next start measures again

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from .calibrate import _host_key
+from .calibrate import OtherLoad, _host_key
 from .config import cache_dir
 from .model.quant import QuantWeight
 
@@ -221,8 +221,8 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
 
         total = len(A8_LADDER) + len(QGEMV_LADDER) + (2 * len(HEAD_LADDER) if head is not None else 0)
         start = time.perf_counter()
-        with torch.inference_mode(), tqdm(total=total, desc="measuring kernel row limits", unit="size",
-                                          leave=False) as bar:
+        with torch.inference_mode(), OtherLoad() as load, tqdm(total=total, desc="measuring kernel row limits",
+                                                               unit="size", leave=False) as bar:
             points = measure_points(formats, config.dtype, progress=lambda: bar.update(1))
             if points is not None and head is not None:
                 head_points = measure_points([head], config.dtype, progress=lambda: bar.update(1),
@@ -232,6 +232,8 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
             log.warning("kernel row limits not measured (past %.0f s): the fixed limits serve", MAX_MEASURE_S)
             return None
         try:
+            if load.too_busy:   # used for this start only
+                raise OSError(f"other processes kept {load.cpus:.1f} CPUs busy while it measured")
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             record = {"qgemv": points[0], "a8": points[1]}

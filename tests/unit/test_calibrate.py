@@ -116,3 +116,57 @@ def test_the_curve_climbs_past_the_ladder_while_steps_stay_under_the_target(tmp_
     assert not high.cached and [n for n, _ in high.curve] == [*calibrate.LADDER, 1024]
     assert high.budget_tokens == 1024
     assert calibrate.calibrate_budget(model, target_itl_ms=1e6, **kw).cached
+
+
+def test_other_processes_load_is_measured_apart_from_this_ones():
+    """OtherLoad counts the CPU time the machine spent outside this process during a block: a child
+    process spinning beside it is counted, this process's own work is not."""
+    import subprocess
+    import sys
+    import time
+
+    from fastgen.calibrate import OtherLoad
+
+    with OtherLoad() as own:
+        end = time.perf_counter() + 0.6
+        while time.perf_counter() < end:   # this process busy: not "other" load
+            pass
+    if own.cpus is None:
+        pytest.skip("this platform does not report CPU time (/proc/stat)")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)   # the child running
+        with OtherLoad() as other:
+            time.sleep(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert other.cpus > 0.6 and other.too_busy
+    assert own.cpus < other.cpus - 0.4
+
+
+def test_a_calibration_beside_other_work_is_not_cached(tmp_path, monkeypatch):
+    """A budget curve or row limits measured while other processes kept the CPUs busy serve this
+    start only: caching them would give every later start the slow curve (a budget too small) or
+    the wrong kernels."""
+    import torch
+
+    from fastgen import calibrate
+    from fastgen.model.loader import load_model
+
+    from ..model.test_parity import _tiny_configs, random_checkpoint
+
+    random_checkpoint(_tiny_configs()["llama"], tmp_path / "ckpt")
+    model = load_model(str(tmp_path / "ckpt"), dtype=torch.float32, device=torch.device("cpu"), max_positions=600,
+                       kernels="torch")
+    monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path / "cache"))
+    kw = dict(model_path=str(tmp_path / "ckpt"), target_itl_ms=100.0, kernels="torch", num_threads=1,
+              max_tokens=512, model_config=model.config, num_kv_heads=model.config.num_kv_heads, block_size=16,
+              dtype=torch.float32, device=torch.device("cpu"))
+    monkeypatch.setattr(calibrate.OtherLoad, "too_busy", property(lambda self: True))
+    busy = calibrate.calibrate_budget(model, **kw)
+    assert [n for n, _ in busy.curve] == list(calibrate.LADDER) and not busy.cached
+    assert not list((tmp_path / "cache").glob("budget/*.json"))
+    monkeypatch.setattr(calibrate.OtherLoad, "too_busy", property(lambda self: False))
+    calibrate.calibrate_budget(model, **kw)
+    assert calibrate.calibrate_budget(model, **kw).cached

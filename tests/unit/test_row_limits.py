@@ -99,3 +99,24 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
     assert fixed.row_limits is None
     assert all(f.max_qgemv_rows == QuantWeight.MAX_QGEMV_ROWS_A8 and f.min_a8_rows == QuantWeight.MIN_A8_ROWS
                for f in a8_formats(fixed.model))
+
+
+def test_row_limits_measured_beside_other_work_serve_this_start_only(tmp_path, monkeypatch):
+    """Row limits measured while other processes kept the CPUs busy are applied to this start and
+    not cached (a busy machine makes the kernels' crossovers wrong)."""
+    _vnni_or_skip()
+    from fastgen import calibrate
+    from fastgen.engine import Engine
+
+    from ..tiny_model import make_tiny_model
+
+    make_tiny_model(str(tmp_path / "ckpt"))
+    monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTGEN_ROW_LIMITS", "auto")
+    monkeypatch.setattr(calibrate.OtherLoad, "too_busy", property(lambda self: True))
+    engine = Engine.from_pretrained(str(tmp_path / "ckpt"), quantization="int4", dtype="bfloat16", kernels="native",
+                                    budget_tokens=64, num_threads=2)
+    limits = engine.row_limits
+    assert limits is not None and not limits.cached and limits.a8_points
+    assert all(f.max_qgemv_rows == limits.max_qgemv_rows for f in a8_formats(engine.model))
+    assert not list((tmp_path / "cache").glob("row-limits/*.json"))
