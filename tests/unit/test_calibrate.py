@@ -42,13 +42,11 @@ def test_bad_options_name_the_parameter(bad):
     assert e.value.param == next(iter(bad))
 
 
-def test_a_curve_cut_short_is_not_cached(tmp_path, monkeypatch):
-    """A calibration stopped by its time limit (a slow or busy host) picks this start's budget
-    from what it measured but is not cached: the next start measures the whole curve, and caches
-    that. A real tiny model is measured; only the time limit is shortened."""
+def _tiny_model_to_calibrate(tmp_path, monkeypatch):
+    """A real tiny model (torch kernels) and calibrate_budget's arguments for it, with the cache
+    folder under tmp_path."""
     import torch
 
-    from fastgen import calibrate
     from fastgen.model.loader import load_model
 
     from ..model.test_parity import _tiny_configs, random_checkpoint
@@ -60,6 +58,16 @@ def test_a_curve_cut_short_is_not_cached(tmp_path, monkeypatch):
     kw = dict(model_path=str(tmp_path / "ckpt"), target_itl_ms=100.0, kernels="torch", num_threads=1,
               max_tokens=512, model_config=model.config, num_kv_heads=model.config.num_kv_heads, block_size=16,
               dtype=torch.float32, device=torch.device("cpu"))
+    return model, kw
+
+
+def test_a_curve_cut_short_is_not_cached(tmp_path, monkeypatch):
+    """A calibration stopped by its time limit (a slow or busy host) picks this start's budget
+    from what it measured but is not cached: the next start measures the whole curve, and caches
+    that. A real tiny model is measured; only the time limit is shortened."""
+    from fastgen import calibrate
+
+    model, kw = _tiny_model_to_calibrate(tmp_path, monkeypatch)
     monkeypatch.setattr(calibrate, "MAX_MEASURE_S", 0.0)
     short = calibrate.calibrate_budget(model, **kw)
     assert len(short.curve) == 1 and not short.cached
@@ -149,20 +157,9 @@ def test_a_calibration_beside_other_work_is_not_cached(tmp_path, monkeypatch):
     """A budget curve or row limits measured while other processes kept the CPUs busy serve this
     start only: caching them would give every later start the slow curve (a budget too small) or
     the wrong kernels."""
-    import torch
-
     from fastgen import calibrate
-    from fastgen.model.loader import load_model
 
-    from ..model.test_parity import _tiny_configs, random_checkpoint
-
-    random_checkpoint(_tiny_configs()["llama"], tmp_path / "ckpt")
-    model = load_model(str(tmp_path / "ckpt"), dtype=torch.float32, device=torch.device("cpu"), max_positions=600,
-                       kernels="torch")
-    monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path / "cache"))
-    kw = dict(model_path=str(tmp_path / "ckpt"), target_itl_ms=100.0, kernels="torch", num_threads=1,
-              max_tokens=512, model_config=model.config, num_kv_heads=model.config.num_kv_heads, block_size=16,
-              dtype=torch.float32, device=torch.device("cpu"))
+    model, kw = _tiny_model_to_calibrate(tmp_path, monkeypatch)
     monkeypatch.setattr(calibrate.OtherLoad, "too_busy", property(lambda self: True))
     busy = calibrate.calibrate_budget(model, **kw)
     assert [n for n, _ in busy.curve] == list(calibrate.LADDER) and not busy.cached
