@@ -50,7 +50,7 @@ ENV = "FASTGEN_ROW_LIMITS"          # "auto" (default) | "fixed"
 QGEMV_LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24)
 # from 8 rows: a block of up to 8 rows takes qgemm_a8's 256-bit micro-kernel (12-04), which beat
 # qgemv at 8 rows on the Zen 4 host (SmolLM2's 120 layer products from memory: 14.4 against 15-18 ms)
-# from 2 rows: up to 16 rows qgemm_a8 takes its few-row path (12-05), which beat qgemv from 4 rows on
+# from 2 rows: up to 32 rows qgemm_a8 takes its few-row path (12-05), which beat qgemv from 4 rows on
 # the Zen 4 host (SmolLM2's 120 layer products from memory, 8 rows: 7.3 against 11.0 ms)
 A8_LADDER = (2, 4, 8, 12, 16, 32, 64, 128)
 # the output head (SmolLM2: its tied embedding, 8-bit rows) is measured apart, on its own points:

@@ -232,8 +232,8 @@ class QuantWeight:
     # rows, 0.71-1.10x at 64, 1.16-1.35x at 256, 1.08-1.18x at 512 (docs/architecture.md)
     MIN_A8_ROWS = 128
     # qgemm_a8 takes its few-row path (one output feature per vector lane, W's groups turned into
-    # words in registers) up to this many rows of 4-bit weights (kFewMaxRows, qgemm_a8.cpp)
-    A8_FEW_ROWS = 16
+    # words in registers) up to this many rows of 4- and 8-bit weights (kFewMaxRows, qgemm_a8.cpp)
+    A8_FEW_ROWS = 32
 
     def __init__(self, quant: QuantRows, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
         self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.half().contiguous(),

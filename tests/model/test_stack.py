@@ -94,7 +94,7 @@ def test_torch_kernels_and_the_off_switch_take_no_stack(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_past_qgemv_the_stack_calls_the_many_row_kernels_the_closures_call(dtype, tmp_path, monkeypatch):
-    """With int8 activations qgemm_a8 has a few-row path (up to 16 rows of 4-bit weights) that beats
+    """With int8 activations qgemm_a8 has a few-row path (up to 32 rows of 4- or 8-bit weights) that beats
     qgemv from a few rows: where the measured limits send such batches to it, the stack still runs
     them, calling qgemm (below qgemm_a8's limit) or qgemm_a8 with the bias in fp32, as the closures
     do, and gives their logits bit for bit (qwen2: a QKV bias)."""
