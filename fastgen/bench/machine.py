@@ -2,7 +2,6 @@
 FLOPs and weight bytes, the CPU's name, and whether other processes keep the cores busy."""
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import time
@@ -11,6 +10,7 @@ from typing import Mapping
 
 import torch
 
+from ..calibrate import OtherLoad
 from ..model.layers import Linear
 from .timing import Sizes, Summary, time_calls
 
@@ -196,23 +196,14 @@ def cpu_name() -> str:
 
 
 def busy_cpus(interval_s: float = 0.5) -> float | None:
-    """CPUs kept busy by other processes during ``interval_s`` while this one sleeps (Linux).
+    """CPUs kept busy by other processes during ``interval_s`` while this one sleeps (Linux;
+    :class:`fastgen.calibrate.OtherLoad`, which the engine's calibrations take too).
 
     Other work on the cores makes every figure meaningless: the engine's threads wait on
     each other, and one forward can take ten times longer."""
-    def snapshot() -> tuple[int, int]:
-        with open("/proc/stat", encoding="ascii") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]  # user .. steal
-        return sum(ticks), ticks[3] + ticks[4]                    # total, idle + iowait
-
-    try:
-        total0, idle0 = snapshot()
+    with OtherLoad() as load:
         time.sleep(interval_s)
-        total1, idle1 = snapshot()
-    except (OSError, ValueError, IndexError):
-        return None
-    total = total1 - total0
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total else 0.0
+    return load.cpus
 
 
 def warn_if_busy(busy: float | None, when: str) -> None:

@@ -41,10 +41,10 @@ def _product(d, linear: Linear, dtype: torch.dtype) -> tuple[Any, int] | None:
     if type(fmt) is QuantWeight:
         q = fmt.quant
         limit, act_int8 = fmt.decode_plan(dtype)
-        # past qgemv's limit, up to the few-row path of qgemm_a8 (kind 4 with int8 activations:
-        # faster than qgemv from ~4 rows), the stack calls the many-row kernel matmul would call
-        stack_limit = max(limit, fmt.stack_rows(dtype))
-        return d.product(q.kind, q.qweight, q.scales, q.mins, fmt.bias, act_int8, limit, fmt.min_a8_rows), stack_limit
+        # past qgemv's limit, up to the few-row path of qgemm_a8 (QuantWeight.stack_rows), the
+        # stack calls the many-row kernel matmul would call
+        return (d.product(q.kind, q.qweight, q.scales, q.mins, fmt.bias, act_int8, limit, fmt.min_a8_rows),
+                fmt.stack_rows(dtype))
     return None
 
 

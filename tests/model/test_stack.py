@@ -101,8 +101,9 @@ def test_past_qgemv_the_stack_calls_the_many_row_kernels_the_closures_call(dtype
     from fastgen.model.quant import QuantWeight
     from fastgen.row_limits import a8_formats, apply_limits
 
-    if 4 not in torch.ops.fastgen.a8_kinds():
-        pytest.skip("no int8-activation kernel for 4-bit rows on this host (AVX512-VNNI or AVX2)")
+    from .test_quant import _skip_without_int8
+
+    _skip_without_int8(4)
     path = _checkpoint("qwen2", tmp_path)
     model = load_model(path, dtype=dtype, device=torch.device("cpu"), max_positions=256, kernels="native",
                        quantization="int4", int8_activations=True)

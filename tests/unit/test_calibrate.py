@@ -129,18 +129,20 @@ def test_the_curve_climbs_past_the_ladder_while_steps_stay_under_the_target(tmp_
 def test_other_processes_load_is_measured_apart_from_this_ones():
     """OtherLoad counts the CPU time the machine spent outside this process during a block: a child
     process spinning beside it is counted, this process's own work is not."""
+    import os
     import subprocess
     import sys
     import time
 
     from fastgen.calibrate import OtherLoad
 
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat: this platform does not report the machine's CPU time")
     with OtherLoad() as own:
         end = time.perf_counter() + 0.6
         while time.perf_counter() < end:   # this process busy: not "other" load
             pass
-    if own.cpus is None:
-        pytest.skip("this platform does not report CPU time (/proc/stat)")
+    assert own.cpus is not None   # /proc/stat read and parsed
     spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.3)   # the child running
