@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from ..config import cache_dir
 from ..errors import ModelLoadError
 from .gguf_file import GgufHeader, GgufTensor, read_header
+from .huge_pages import move_quantized_to_huge_pages
 from .quant import QuantRows, from_gguf, gguf_kind, quantize
 from .registry import family, gguf_family, model_config
 from .spec import GgufNames, ModelConfig, Split
@@ -354,13 +355,17 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
         from ..parallel.layers import finish_formats
 
         finish_formats(model, shards, group)
+    if torch.device(device).type == "cpu":   # the rows a decode step streams, onto 2 MiB pages
+        move_quantized_to_huge_pages(model)
+    quant = weights = None   # the rows as read (fused or moved since): freed before the trim below
     _return_freed_memory()
     return model
 
 
 def _return_freed_memory() -> None:
-    """Give the heap pages that loading freed (dense pieces, quantized parts now fused) back to
-    the system: glibc keeps them otherwise (60 MB of SmolLM2's load)."""
+    """Give the heap pages that loading freed (dense pieces, quantized parts now fused or moved
+    onto huge pages) back to the system: glibc keeps them otherwise (60 MB of SmolLM2's load),
+    and so does tcmalloc where the launcher preloaded it (its MallocExtension call)."""
     import gc
 
     gc.collect()
@@ -369,6 +374,9 @@ def _return_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):   # not glibc (musl): nothing to trim
             pass
+        release = getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
+        if release is not None:             # tcmalloc preloaded
+            release()
 
 
 class _ShardedQuant(dict):
