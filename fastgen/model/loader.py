@@ -355,8 +355,7 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
         from ..parallel.layers import finish_formats
 
         finish_formats(model, shards, group)
-    if torch.device(device).type == "cpu":   # the rows a decode step streams, onto 2 MiB pages
-        move_quantized_to_huge_pages(model)
+    move_quantized_to_huge_pages(model)   # CPU rows only: what a decode step streams, onto 2 MiB pages
     quant = weights = None   # the rows as read (fused or moved since): freed before the trim below
     _return_freed_memory()
     return model

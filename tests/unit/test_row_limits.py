@@ -9,6 +9,8 @@ from fastgen import kernels
 from fastgen.model.quant import QuantWeight
 from fastgen.row_limits import A8_LADDER, NEVER, a8_formats, apply_limits, choose_limits
 
+from .test_calibrate import _as_if_quiet
+
 
 def _vnni_or_skip() -> None:
     if not kernels.load():
@@ -64,10 +66,7 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
     make_tiny_model(str(tmp_path / "ckpt"))
     monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("FASTGEN_ROW_LIMITS", "auto")
-    # cached as on a quiet machine (what else CI runs must not decide it; the guard has its own test)
-    from fastgen import calibrate
-
-    monkeypatch.setattr(calibrate.OtherLoad, "too_busy", property(lambda self: False))
+    _as_if_quiet(monkeypatch)   # what else CI runs must not decide the caching; the guard has its own test
     opts = dict(quantization="int4", dtype="bfloat16", kernels="native", budget_tokens=64, num_threads=2)
     engine = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts)
     limits = engine.row_limits
