@@ -83,8 +83,10 @@ def _host_key(model_path: str, dtype: torch.dtype, kernels: str, num_threads: in
     h.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     st = os.stat(model_path) if os.path.isfile(model_path) else None
     if kernels != "torch":   # a curve measured through other native kernels is stale
-        from .kernels import build_name
+        from .kernels import build_name, load
         h.update(build_name().encode())
+        if load() and torch.ops.fastgen.have_amx():   # AMX tiles in use (FASTGEN_AMX=0: not)
+            h.update(b"|amx")
     h.update(f"{model_path}|{st.st_size if st else 0}|{st.st_mtime_ns if st else 0}|{dtype}|{kernels}|"
              f"{num_threads}|{block_size}|{device}|{torch.__version__}|{LADDER}|{MAX_LADDER}".encode()
              + (f"|tp{tensor_parallel_size}".encode() if tensor_parallel_size > 1 else b"")

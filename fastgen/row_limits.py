@@ -11,8 +11,12 @@ in tiles) above that, and ``qgemm_a8`` (the same tiles in int8 through VNNI) fro
 
 1. ``qgemm`` against ``qgemm_a8`` over the model's own 4-bit layer products, two threads, from
    memory (all of them each pass, as a prompt chunk reads them), at the rows of
-   :data:`A8_LADDER`; ``min_a8_rows`` is the smallest of them from which ``qgemm_a8`` is the faster
-   at every larger one (none: ``qgemm`` throughout);
+   :data:`A8_LADDER`; ``max_a8_rows`` is the largest of them at which ``qgemm_a8`` is the faster
+   (unbounded where it wins at the last), ``min_a8_rows`` the smallest from which it is the faster
+   at every larger one up to that (none: ``qgemm`` throughout). On hosts with AMX, ``qgemm`` in
+   bf16 runs on tiles and overtakes ``qgemm_a8`` past a few dozen rows (2-core Xeon, AMX:
+   SmolLM2's layer products at 64 rows 20.7 against 24.3 ms, at 256 rows 36 against 71 ms), so
+   there ``qgemm_a8`` keeps a middle range of rows;
 2. then ``qgemv`` against the many-row path those rows would take, at the rows of
    :data:`QGEMV_LADDER`; ``max_qgemv_rows`` is the largest of them up to which ``qgemv`` is the
    faster at every one;
@@ -72,15 +76,19 @@ class RowLimits:
     cached: bool = False
     # the output head's (None where it has no int8 format): the same, over its own product
     head: "RowLimits | None" = None
+    max_a8_rows: int = NEVER            # qgemm_a8 up to this many rows, qgemm past it
 
     @property
     def key(self) -> str:
         """The choice, as the budget's cache key takes it (its curve runs through these kernels)."""
-        head = "" if self.head is None else f",head<={self.head.max_qgemv_rows},a8>={self.head.min_a8_rows}"
-        return f"|rows<={self.max_qgemv_rows},a8>={self.min_a8_rows}{head}"
+        head = ("" if self.head is None else
+                f",head<={self.head.max_qgemv_rows},a8>={self.head.min_a8_rows},a8<={self.head.max_a8_rows}")
+        return f"|rows<={self.max_qgemv_rows},a8>={self.min_a8_rows},a8<={self.max_a8_rows}{head}"
 
     def describe(self) -> str:
         a8 = "never" if self.min_a8_rows >= NEVER else str(self.min_a8_rows)
+        if self.min_a8_rows < NEVER and self.max_a8_rows < NEVER:
+            a8 += f" to {self.max_a8_rows}"
         gv = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.qgemv_points)
         q8 = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.a8_points)
         head = "" if self.head is None else f"; output head: {self.head.describe().removeprefix('row limits: ')}"
@@ -88,19 +96,25 @@ class RowLimits:
                 f"ms qgemm_a8/qgemm {q8}{'; cached' if self.cached else ''}){head}")
 
 
-def choose_limits(qgemv_points, a8_points) -> tuple[int, int]:
-    """``(max_qgemv_rows, min_a8_rows)`` from the measured points (see the module)."""
-    min_a8 = NEVER
-    for n, a8, plain in sorted(a8_points, reverse=True):
-        if a8 > plain:
-            break
-        min_a8 = n
+def choose_limits(qgemv_points, a8_points) -> tuple[int, int, int]:
+    """``(max_qgemv_rows, min_a8_rows, max_a8_rows)`` from the measured points (see the module)."""
+    points = sorted(a8_points, reverse=True)
+    wins = [n for n, a8, plain in points if a8 <= plain]
+    min_a8 = max_a8 = NEVER
+    if wins:
+        max_a8 = NEVER if wins[0] == points[0][0] else wins[0]
+        for n, a8, plain in points:
+            if n > wins[0]:
+                continue
+            if a8 > plain:
+                break
+            min_a8 = n
     max_qgemv = 1
     for n, gemv, other in sorted(qgemv_points):
         if gemv > other:
             break
         max_qgemv = n
-    return max_qgemv, min_a8
+    return max_qgemv, min_a8, max_a8
 
 
 def a8_formats(model: torch.nn.Module) -> list[QuantWeight]:
@@ -173,10 +187,10 @@ def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Cal
         a8_points.append(compare(n, _qgemm_a8, _qgemm))
         if time.perf_counter() - start > max_s:
             return None
-    _, min_a8 = choose_limits([], a8_points)
+    _, min_a8, max_a8 = choose_limits([], a8_points)
     qgemv_points = []
     for n in qgemv_ladder:
-        qgemv_points.append(compare(n, _qgemv, _qgemm_a8 if n >= min_a8 else _qgemm))
+        qgemv_points.append(compare(n, _qgemv, _qgemm_a8 if min_a8 <= n <= max_a8 else _qgemm))
         if time.perf_counter() - start > max_s:
             return None
         if qgemv_points[-1][1] > qgemv_points[-1][2]:   # qgemv lost: the limit is found
@@ -184,10 +198,11 @@ def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Cal
     return tuple(qgemv_points), tuple(a8_points)
 
 
-def apply_limits(model: torch.nn.Module, formats: list[QuantWeight], max_qgemv_rows: int, min_a8_rows: int) -> None:
+def apply_limits(model: torch.nn.Module, formats: list[QuantWeight], max_qgemv_rows: int, min_a8_rows: int,
+                 max_a8_rows: int = NEVER) -> None:
     for f in formats:
         f.max_qgemv_rows = f.max_qgemv_rows_bf16 = max_qgemv_rows
-        f.min_a8_rows = min_a8_rows
+        f.min_a8_rows, f.max_a8_rows = min_a8_rows, max_a8_rows
     model.__dict__["_stack"] = None        # the native stack's row limit follows (built again)
 
 
@@ -245,11 +260,11 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
             log.warning("could not cache the kernel row limits (%s)", e)
     head_limits = None
     if head is not None:
-        head_qgemv, head_a8 = choose_limits(*head_points)
-        apply_limits(model, [head], head_qgemv, head_a8)
-        head_limits = RowLimits(head_qgemv, head_a8, head_points[0], head_points[1], cached)
-    max_qgemv, min_a8 = choose_limits(*points)
-    apply_limits(model, formats, max_qgemv, min_a8)
-    limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached, head_limits)
+        head_qgemv, head_a8, head_a8_max = choose_limits(*head_points)
+        apply_limits(model, [head], head_qgemv, head_a8, head_a8_max)
+        head_limits = RowLimits(head_qgemv, head_a8, head_points[0], head_points[1], cached, max_a8_rows=head_a8_max)
+    max_qgemv, min_a8, max_a8 = choose_limits(*points)
+    apply_limits(model, formats, max_qgemv, min_a8, max_a8)
+    limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached, head_limits, max_a8)
     log.info("%s", limits.describe())
     return limits

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # 19 s, qgemm_a8 10 s, qgemm 9 s; the other order left direct to run alone at the end)
 SOURCES = (SOURCE.with_name("direct.cpp"), SOURCE, SOURCE.with_name("qgemm_a8.cpp"), SOURCE.with_name("qgemm.cpp"))
 # included by the sources: part of the build key
-HEADERS = (SOURCE.with_name("quant_rows.h"), SOURCE.with_name("gemm_tile.h"), SOURCE.with_name("fast_math.h"))
+HEADERS = (SOURCE.with_name("amx.h"), SOURCE.with_name("quant_rows.h"), SOURCE.with_name("gemm_tile.h"), SOURCE.with_name("fast_math.h"))
 _lock = threading.Lock()
 _background_lock = threading.Lock()   # load_in_background's flag only (never held while building)
 _state: dict[str, bool] = {}

@@ -268,6 +268,7 @@ class QuantWeight:
                              and quant.kind in torch.ops.fastgen.a8_kinds())
         # the fixed row limits; an engine measures its host's (fastgen/row_limits.py)
         self.min_a8_rows = self.MIN_A8_ROWS
+        self.max_a8_rows = 1 << 30   # past it qgemm again (AMX hosts, measured: fastgen/row_limits.py)
         if self.act_int8 and quant.kind == 4:
             self.max_qgemv_rows = self.MAX_QGEMV_ROWS_A8
         bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot() and not self.act_int8
@@ -286,7 +287,7 @@ class QuantWeight:
         output feature per vector lane) where the many-row kernel is qgemm_a8."""
         rows = self.decode_plan(dtype)[0]
         if self.act_int8 and self.quant.kind == 4 and self.min_a8_rows <= self.A8_FEW_ROWS:
-            rows = max(rows, self.A8_FEW_ROWS)
+            rows = max(rows, min(self.A8_FEW_ROWS, self.max_a8_rows))
         return rows
 
     def _decode_rows(self, x: torch.Tensor) -> bool:
@@ -294,9 +295,10 @@ class QuantWeight:
         return x.shape[0] <= self.decode_plan(x.dtype)[0]
 
     def _many_rows(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
-        """qgemm_a8 from ``min_a8_rows`` rows with int8 activations, else qgemm."""
+        """qgemm_a8 from ``min_a8_rows`` to ``max_a8_rows`` rows with int8 activations, else qgemm."""
         q = self.quant
-        gemm = self._qgemm_a8 if self.act_int8 and x.shape[0] >= self.min_a8_rows else self._qgemm
+        gemm = (self._qgemm_a8 if self.act_int8 and self.min_a8_rows <= x.shape[0] <= self.max_a8_rows
+                else self._qgemm)
         return gemm(x, q.qweight, q.scales, q.mins, q.kind, bias, silu_mul)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -133,13 +133,28 @@ def test_int8_decode_batches_up_to_twelve_rows_take_the_gemv_row_by_row(dtype):
     assert eight_bit.decode_plan(dtype)[0] == QuantWeight.MAX_QGEMV_ROWS_8BIT
 
 
+@pytest.fixture(params=[False, True], ids=["vector", "amx"])
+def amx(request):
+    """qgemm's and the chunk attention's paths: AVX512 vectors, or AMX tiles where the CPU has them
+    (fastgen/kernels/csrc/amx.h); the switch is put back afterwards."""
+    ops = torch.ops.fastgen
+    was = ops.set_amx(request.param)
+    if request.param and not ops.have_amx():
+        ops.set_amx(was)
+        pytest.skip("no AMX tiles on this CPU (or FASTGEN_AMX=0)")
+    yield request.param
+    ops.set_amx(was)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,n", [(7, 12), (16, 40), (17, 70), (33, 36), (100, 25)])  # blocks of 16/32, panels of 12
 @pytest.mark.parametrize("k", [32, 576, 1536])
-def test_quantized_gemm_matches_its_dequantized_weights(dtype, bits, rows, n, k):
+def test_quantized_gemm_matches_its_dequantized_weights(dtype, bits, rows, n, k, amx):
     """qgemm multiplies by the weights rounded to x's dtype (the values a dense copy held),
-    with fp32 sums: the reference is that dense product, and the bias is added once."""
+    with fp32 sums: the reference is that dense product, and the bias is added once. On AMX
+    hosts bf16 rows take the tiles (panels of 32 features); both paths are checked there (fp32
+    rows take the vectors either way)."""
     g = torch.Generator().manual_seed(bits * 100 + rows + n)
     q = quantize(torch.randn(n, k, generator=g), bits)
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -151,6 +166,22 @@ def test_quantized_gemm_matches_its_dequantized_weights(dtype, bits, rows, n, k)
     torch.testing.assert_close(got.float(), want, **tol)
     no_bias = torch.ops.fastgen.qgemm(x, q.qweight, q.scales, q.mins, q.kind)
     torch.testing.assert_close(no_bias.float(), want - bias, **tol)
+
+
+@pytest.mark.parametrize("rows,n,k", [(700, 72, 1536), (45, 130, 576)])
+def test_quantized_gemm_on_tiles_matches_the_vector_path_with_silu(rows, n, k, amx):
+    """The fused gate/up product (silu(gate) * up, never writing [rows, n]) on either path: the
+    dequantized reference with the unfused path's roundings; 700 rows at k = 1,536 take three
+    passes over the panels on the tiles (amx_rows), 130 features a short last panel of 32."""
+    g = torch.Generator().manual_seed(rows + n)
+    q = quantize(torch.randn(2 * n, k, generator=g), 4)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    both = (x.float() @ q.dequantize().bfloat16().float().T).bfloat16().float()
+    gate, up = both[:, :n], both[:, n:]
+    want = (torch.nn.functional.silu(gate).bfloat16().float() * up)
+    got = torch.ops.fastgen.qgemm(x, q.qweight, q.scales, q.mins, q.kind, None, True)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=2e-2)
 
 
 def _int8_per_group(x: torch.Tensor) -> torch.Tensor:

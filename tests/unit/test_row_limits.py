@@ -20,12 +20,16 @@ def _vnni_or_skip() -> None:
 
 
 @pytest.mark.parametrize("qgemv,a8,want", [
-    # (rows, qgemv ms, other ms), (rows, qgemm_a8 ms, qgemm ms) -> (max_qgemv_rows, min_a8_rows)
-    ([(2, 1, 5), (4, 2, 5), (8, 4, 5), (12, 6, 5)], [(16, 9, 8), (32, 9, 10), (64, 9, 10)], (8, 32)),
-    ([(2, 6, 5)], [(16, 9, 10), (32, 9, 10)], (1, 16)),                # qgemv never wins: one row only
-    ([(2, 1, 5), (4, 2, 5)], [(16, 9, 8), (32, 11, 10)], (4, NEVER)),  # qgemm_a8 never wins
+    # (rows, qgemv ms, other ms), (rows, qgemm_a8 ms, qgemm ms) -> (max_qgemv_rows, min_a8_rows, max_a8_rows)
+    ([(2, 1, 5), (4, 2, 5), (8, 4, 5), (12, 6, 5)], [(16, 9, 8), (32, 9, 10), (64, 9, 10)], (8, 32, NEVER)),
+    ([(2, 6, 5)], [(16, 9, 10), (32, 9, 10)], (1, 16, NEVER)),                # qgemv never wins: one row only
+    ([(2, 1, 5), (4, 2, 5)], [(16, 9, 8), (32, 11, 10)], (4, NEVER, NEVER)),  # qgemm_a8 never wins
     # a win below a loss does not count: the limits hold for every row count on their side
-    ([(2, 1, 5), (4, 6, 5), (6, 1, 5)], [(16, 9, 10), (32, 11, 10), (64, 9, 10)], (2, 64)),
+    ([(2, 1, 5), (4, 6, 5), (6, 1, 5)], [(16, 9, 10), (32, 11, 10), (64, 9, 10)], (2, 64, NEVER)),
+    # qgemm overtakes qgemm_a8 past a few dozen rows (bf16 on AMX tiles): qgemm_a8 keeps the middle
+    ([(2, 1, 5)], [(2, 5, 30), (4, 5, 30), (32, 17, 18), (64, 24, 20), (128, 44, 27)], (2, 2, 32)),
+    # ... and only from where it wins without a break up to there
+    ([(2, 1, 5)], [(2, 5, 4), (4, 5, 30), (16, 9, 8), (32, 17, 18), (64, 24, 20)], (2, 32, 32)),
 ])
 def test_the_limits_are_where_one_kernel_stays_ahead(qgemv, a8, want):
     assert choose_limits(qgemv, a8) == want
@@ -45,9 +49,10 @@ def test_the_limits_decide_which_kernel_takes_a_product():
     class Holder(torch.nn.Module):
         pass
 
-    apply_limits(Holder(), [fmt], 3, 16)
-    x = torch.randn(20, 128, generator=g).bfloat16()
-    for rows, kernel in ((3, "_qgemv"), (4, "_qgemm"), (15, "_qgemm"), (16, "_qgemm_a8"), (20, "_qgemm_a8")):
+    apply_limits(Holder(), [fmt], 3, 16, 24)
+    x = torch.randn(30, 128, generator=g).bfloat16()
+    for rows, kernel in ((3, "_qgemv"), (4, "_qgemm"), (15, "_qgemm"), (16, "_qgemm_a8"), (20, "_qgemm_a8"),
+                         (24, "_qgemm_a8"), (25, "_qgemm"), (30, "_qgemm")):
         calls.clear()
         fmt.matmul(x[:rows])
         assert calls == [kernel], rows
@@ -73,10 +78,11 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
     assert limits is not None and not limits.cached
     assert [n for n, _, _ in limits.a8_points] == list(A8_LADDER)
     assert limits.qgemv_points and limits.qgemv_points[0][0] == 2
-    assert (limits.max_qgemv_rows, limits.min_a8_rows) == choose_limits(limits.qgemv_points, limits.a8_points)
+    assert (limits.max_qgemv_rows, limits.min_a8_rows, limits.max_a8_rows) == choose_limits(limits.qgemv_points,
+                                                                                            limits.a8_points)
     formats = a8_formats(engine.model)
     assert formats and all(f.max_qgemv_rows == limits.max_qgemv_rows and f.min_a8_rows == limits.min_a8_rows
-                           for f in formats)
+                           and f.max_a8_rows == limits.max_a8_rows for f in formats)
     stack = engine.model._native_stack()
     # the output head (int4 here, int8 activations) is measured apart and gets its own limits
     from fastgen.row_limits import HEAD_LADDER, head_format
@@ -84,12 +90,14 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
     head = head_format(engine.model)
     assert head is not None and limits.head is not None
     assert [n for n, _, _ in limits.head.a8_points] == list(HEAD_LADDER)
-    assert (limits.head.max_qgemv_rows, limits.head.min_a8_rows) == choose_limits(limits.head.qgemv_points,
-                                                                                   limits.head.a8_points)
-    assert (head.max_qgemv_rows, head.min_a8_rows) == (limits.head.max_qgemv_rows, limits.head.min_a8_rows)
+    assert (limits.head.max_qgemv_rows, limits.head.min_a8_rows, limits.head.max_a8_rows) == choose_limits(
+        limits.head.qgemv_points, limits.head.a8_points)
+    assert (head.max_qgemv_rows, head.min_a8_rows, head.max_a8_rows) == (
+        limits.head.max_qgemv_rows, limits.head.min_a8_rows, limits.head.max_a8_rows)
     assert "output head" in limits.describe() and "head<=" in limits.key
     # past qgemv's limit the stack also takes what qgemm_a8's few-row path takes, where it is the choice
-    few = QuantWeight.A8_FEW_ROWS if limits.min_a8_rows <= QuantWeight.A8_FEW_ROWS else 0
+    few = (min(QuantWeight.A8_FEW_ROWS, limits.max_a8_rows) if limits.min_a8_rows <= QuantWeight.A8_FEW_ROWS
+           else 0)
     assert stack is not None and stack.max_rows == max(limits.max_qgemv_rows, few)
     assert list((tmp_path / "cache" / "row-limits").glob("*.json"))
 

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "fast_math.h"
 #include "quant_rows.h"
 
@@ -2380,6 +2381,8 @@ TORCH_LIBRARY(fastgen, m) {
   m.def("have_vnni() -> bool");
   m.def("a8_kinds() -> int[]");
   m.def("have_bf16_dot() -> bool");
+  m.def("have_amx() -> bool");
+  m.def("set_amx(bool on) -> bool");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor q_starts, Tensor start_pos, "
         "Tensor block_tables, float scale, int window=0) -> Tensor");
 }
@@ -2394,11 +2397,21 @@ std::vector<int64_t> a8_kinds() {
 }
 // bf16 x takes qgemv's vdpbf16ps kernel (AVX512-BF16, FASTGEN_QGEMV_BF16 not 0)
 bool have_bf16_dot() { return kHaveBf16Dot && qgemv_bf16_enabled(); }
+// whether bf16 prompt products (qgemm) and prompt-chunk attention run on AMX tiles now (amx.h)
+bool have_amx() { return amx_usable(); }
+// turns the AMX paths on or off for this process (on: where available); returns the prior state
+bool set_amx(bool on) {
+  const bool was = amx_usable();
+  amx_switch().store(on);
+  return was;
+}
 
 TORCH_LIBRARY_IMPL(fastgen, CompositeExplicitAutograd, m) {
   m.impl("have_vnni", &have_vnni);
   m.impl("a8_kinds", &a8_kinds);
   m.impl("have_bf16_dot", &have_bf16_dot);
+  m.impl("have_amx", &have_amx);
+  m.impl("set_amx", &set_amx);
 }
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) {

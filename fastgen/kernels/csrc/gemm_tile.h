@@ -39,8 +39,9 @@ inline __m256i bf16_vec(__m512 v) {
 
 
 #if defined(__AVX512F__)
-// v[0..15] (16 x 16 fp32) transposed in registers
-inline void transpose16(__m512* v) {
+// v[0..15] (16 x 16 fp32) transposed in registers (always inlined: called apart, GCC kept the
+// sixteen vectors in memory)
+__attribute__((always_inline)) inline void transpose16(__m512* v) {
   __m512 t[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
