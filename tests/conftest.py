@@ -60,3 +60,21 @@ def smollm2_reference(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(params=[False, True], ids=["vector", "amx"])
+def amx(request):
+    """The native kernels' bf16 paths for prompt rows (qgemm, the chunk attention): AVX512 vectors,
+    or AMX tiles where the CPU has them (fastgen/kernels/csrc/amx.h; skipped elsewhere: there the
+    vector case is the only path). The switch is put back afterwards."""
+    from fastgen import kernels
+
+    if not kernels.load():
+        pytest.fail("fastgen's native kernels did not build on this host")
+    ops = torch.ops.fastgen
+    was = ops.set_amx(request.param)
+    if request.param and not ops.have_amx():
+        ops.set_amx(was)
+        pytest.skip("no AMX tiles on this CPU (or FASTGEN_AMX=0)")
+    yield request.param
+    ops.set_amx(was)

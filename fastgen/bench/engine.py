@@ -180,6 +180,14 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
         print(f"   int8 _int_mm {int8.gflops:.1f} GOP/s is below {meta.dtype}'s {matmul:.1f} GFLOP/s on this "
               f"host: the prompt's products are held to {meta.dtype}'s rate")
         int8 = None
+    # where the measured row limits send prompt rows back to qgemm (bf16 on AMX tiles: qgemm_a8
+    # keeps only a middle range of rows), the prompt's products are the dtype's, and so is the limit
+    limits = engine.row_limits
+    if int8 is not None and limits is not None and limits.max_a8_rows < min(256, sizes.prefill_tokens):
+        print(f"   prompt rows past {limits.max_a8_rows} take {meta.dtype} products (qgemm"
+              f"{', AMX tiles' if torch.ops.fastgen.have_amx() else ''}): the prompt's roofline is "
+              f"{meta.dtype}'s {matmul:.1f} GFLOP/s")
+        int8 = None
     if int8 is not None:
         roofline = prompt_roofline(costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1),
                                    int8.gflops, matmul)

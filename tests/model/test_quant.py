@@ -133,19 +133,6 @@ def test_int8_decode_batches_up_to_twelve_rows_take_the_gemv_row_by_row(dtype):
     assert eight_bit.decode_plan(dtype)[0] == QuantWeight.MAX_QGEMV_ROWS_8BIT
 
 
-@pytest.fixture(params=[False, True], ids=["vector", "amx"])
-def amx(request):
-    """qgemm's and the chunk attention's paths: AVX512 vectors, or AMX tiles where the CPU has them
-    (fastgen/kernels/csrc/amx.h); the switch is put back afterwards."""
-    ops = torch.ops.fastgen
-    was = ops.set_amx(request.param)
-    if request.param and not ops.have_amx():
-        ops.set_amx(was)
-        pytest.skip("no AMX tiles on this CPU (or FASTGEN_AMX=0)")
-    yield request.param
-    ops.set_amx(was)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,n", [(7, 12), (16, 40), (17, 70), (33, 36), (100, 25)])  # blocks of 16/32, panels of 12

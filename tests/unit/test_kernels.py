@@ -199,7 +199,7 @@ def test_bad_inputs_are_rejected_with_a_message():
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
-def test_register_blocked_chunk_path(dtype, d, window):
+def test_register_blocked_chunk_path(dtype, d, window, amx):
     """bs = 32 and a head dim that is a multiple of 64 take the four-rows-at-a-time path; 41
     queries x 3 heads leave remainder rows for the one-row path. A window of 37 keys starts
     inside a block and skips whole blocks before it."""
@@ -217,6 +217,38 @@ def test_register_blocked_chunk_path(dtype, d, window):
                                             d ** -0.5, window)
     want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables, window)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("d,group,window", [(64, 3, 0), (64, 3, 150), (256, 4, 0), (96, 1, 70)])
+def test_long_chunks_on_tiles_match_sdpa(d, group, window, amx):
+    """bf16 prompt chunks long enough to cross many chunks of 64 keys, on AMX tiles where the CPU
+    has them (keys laid out once per sequence and kv head, 32-row tiles of query x head, the last
+    padded) and on the vector path: a 300-query chunk after 450 cached keys, a fresh 77-query
+    prompt and a decode in one call; head dims 64, 96 and 256 (Gemma 3), 1 to 4 heads a kv head,
+    with and without a sliding window that starts inside a chunk."""
+    g = torch.Generator().manual_seed(d + group + window)
+    bs, kvh = 16, 2
+    specs = [(450, 300), (0, 77), (200, 1)]
+    need = [-(-(sp + nq) // bs) for sp, nq in specs]
+    num_blocks = sum(need) + 2
+    kp = torch.randn(num_blocks, bs, kvh, d, generator=g).bfloat16()
+    vp = torch.randn(num_blocks, bs, kvh, d, generator=g).bfloat16()
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, off = [], 0
+    for n in need:
+        tables.append(perm[off:off + n])
+        off += n
+    q_starts = [0]
+    for _, nq in specs:
+        q_starts.append(q_starts[-1] + nq)
+    q = torch.randn(q_starts[-1], kvh * group, d, generator=g).bfloat16()
+    width = max(need)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
+                                            torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
+                                            d ** -0.5, window)
+    want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables, window)
+    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():

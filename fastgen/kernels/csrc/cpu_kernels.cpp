@@ -22,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1056,6 +1057,171 @@ struct DecodePrefetch {
 // Scores by qk16 straight from the pool's keys; in bf16 the values too (pv_rows_bf16,
 // probabilities as bf16 pairs), in fp32 each head's values widened once per block (pv_rows).
 // acc [h][d], ml [h]: row r is head r.
+#if defined(FASTGEN_HAVE_AMX)
+// ---------------------------------------------------------------------------------------
+// Prompt chunks on AMX tiles (bf16; amx.h). The keys and values a chunk's queries see are laid
+// out once per (sequence, kv head), before the items run, in chunks of kAmxKeys keys: K as pairs
+// along d, kw[d/2][kAmxKeys] (the B operand of S = Q . K^T: 16 pairs of d x 16 keys a tile), V as
+// pairs of keys, vw[kAmxKeys/2][d] (the B operand of O += P . V); keys past the sequence's last
+// read as zero (the pool's unused slots may hold anything). Every query tile of the sequence
+// reads them (before, each tile widened or packed every block it saw itself).
+// An item (sequence, kv head, tile of kQueryTile queries) holds its rows (query x head sharing the
+// kv head) as bf16, padded to a multiple of 32; per chunk of keys the tiles give its scores
+// [rows][kAmxKeys] (2 x 16 rows by 2 x 16 keys at a time), the vector units the online softmax
+// (the same steps as the vector path's: fast_exp, probabilities rounded to bf16 pairs, an
+// unmoved maximum leaving the row as it is), and the tiles O += P . V into the fp32 accumulators,
+// loaded and stored by tile around it (2 x 16 rows by 2 x 16 values of d).
+constexpr int64_t kAmxKeys = 64;
+
+inline int64_t amx_chunk_words(int64_t d) { return kAmxKeys * d; }   // kw + vw, 32-bit words
+
+// chunk c of sequence s, kv head kv (keys k0 .. k0 + kAmxKeys - 1 of num_keys) -> dst
+inline void amx_pack_chunk(const at::BFloat16* kpool, const at::BFloat16* vpool, const int32_t* table, int64_t bs,
+                           int64_t kvh, int64_t d, int64_t kv, int64_t k0, int64_t num_keys, uint32_t* dst) {
+  uint32_t* kw = dst;
+  uint32_t* vw = dst + kAmxKeys * d / 2;
+  const int64_t d2 = d / 2;
+  auto key_at = [&](const at::BFloat16* pool, int64_t key) {
+    return pool + ((static_cast<int64_t>(table[key / bs]) * bs + key % bs) * kvh + kv) * d;
+  };
+  for (int64_t jb = 0; jb < kAmxKeys; jb += 16)
+    for (int64_t db = 0; db < d2; db += 16) {
+      __m512i t[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t key = k0 + jb + j;
+        t[j] = key < num_keys ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(key_at(kpool, key)) + db)
+                              : _mm512_setzero_si512();
+      }
+      transpose16x16_epi32(t);
+      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(kw + (db + c) * kAmxKeys + jb, t[c]);
+    }
+  for (int64_t j2 = 0; j2 < kAmxKeys / 2; ++j2) {
+    const int64_t key = k0 + 2 * j2;
+    const bool has0 = key < num_keys, has1 = key + 1 < num_keys;
+    const uint16_t* v0 = has0 ? reinterpret_cast<const uint16_t*>(key_at(vpool, key)) : nullptr;
+    const uint16_t* v1 = has1 ? reinterpret_cast<const uint16_t*>(key_at(vpool, key + 1)) : nullptr;
+    uint32_t* o = vw + j2 * d;
+    for (int64_t i = 0; i < d; i += 32) {
+      const __m512i a = has0 ? _mm512_loadu_si512(v0 + i) : _mm512_setzero_si512();
+      const __m512i b = has1 ? _mm512_loadu_si512(v1 + i) : _mm512_setzero_si512();
+      // words i .. i + 31 as (a[i], b[i]) pairs: 16-bit interleave within 128-bit lanes, then
+      // the lanes put back in order
+      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+      const __m512i first = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi);
+      const __m512i second = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
+      _mm512_storeu_si512(o + i, first);
+      _mm512_storeu_si512(o + i + 16, second);
+    }
+  }
+}
+
+// one chunk item's attention on tiles (configured by the caller): acc [rows32][d] and ml[rows32]
+// as attend_item leaves them. packed: the (sequence, kv head)'s chunks.
+inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int32_t* q_starts, const int32_t* start_pos,
+                             int64_t h, int64_t kvh, int64_t d, float scale, int64_t window, const uint32_t* packed,
+                             std::vector<float>& acc, std::vector<Partial>& ml, std::vector<uint16_t>& qb16,
+                             std::vector<float>& scores, std::vector<uint32_t>& pw) {
+  const int64_t group = h / kvh, s = item.seq, kv = item.kv;
+  const int64_t nq_all = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
+  const int64_t qa = item.part * kQueryTile, qb = std::min(nq_all, qa + kQueryTile);
+  const int64_t rows = (qb - qa) * group, r32 = (rows + 31) / 32 * 32;
+  auto first_visible = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+  qb16.assign(r32 * d, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(qb16.data() + r * d, q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d, d * 2);
+  acc.assign(r32 * d, 0.f);
+  ml.assign(r32, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  scores.resize(r32 * kAmxKeys);
+  pw.assign(r32 * kAmxKeys / 2, 0u);
+  const int64_t c0 = first_visible(p0 + qa) / kAmxKeys, c1 = (p0 + qb - 1) / kAmxKeys + 1;
+  const int64_t half = kAmxKeys / 2, words = amx_chunk_words(d);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t k0 = c * kAmxKeys;
+    const uint32_t* kw = packed + c * words;
+    const uint32_t* vw = kw + kAmxKeys * d / 2;
+    // S = Q . K^T
+    for (int64_t rb = 0; rb < r32; rb += 32)
+      for (int64_t kb = 0; kb < kAmxKeys; kb += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ks = 0; ks < d; ks += 32) {
+          _tile_loadd(4, qb16.data() + rb * d + ks, d * 2);
+          _tile_loadd(5, qb16.data() + (rb + 16) * d + ks, d * 2);
+          _tile_loadd(6, kw + (ks / 2) * kAmxKeys + kb, kAmxKeys * 4);
+          _tile_loadd(7, kw + (ks / 2) * kAmxKeys + kb + 16, kAmxKeys * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        float* sc = scores.data() + rb * kAmxKeys + kb;
+        _tile_stored(0, sc, kAmxKeys * 4);
+        _tile_stored(1, sc + 16, kAmxKeys * 4);
+        _tile_stored(2, sc + 16 * kAmxKeys, kAmxKeys * 4);
+        _tile_stored(3, sc + 16 * kAmxKeys + 16, kAmxKeys * 4);
+      }
+    // the online softmax, row by row; probabilities to bf16 pairs
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = p0 + qa + r / group;
+      const int64_t from = std::max<int64_t>(0, first_visible(pos) - k0), visible = std::min<int64_t>(kAmxKeys, pos - k0 + 1);
+      float* sc = scores.data() + r * kAmxKeys;
+      float* ar = acc.data() + r * d;
+      uint32_t* pr = pw.data() + r * half;
+      if (from == 0 && visible == kAmxKeys) {
+        __m512 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * i), sv);
+        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3])));
+        const float mx = std::max(ml[r].m, bm);
+        const __m512 mv = _mm512_set1_ps(mx);
+        for (int i = 0; i < 4; ++i) v[i] = fast_exp16_nonpos(_mm512_sub_ps(v[i], mv));
+        float corr = 1.f;
+        if (mx != ml[r].m) {
+          corr = fast_exp(ml[r].m - mx);
+          const __m512 cv = _mm512_set1_ps(corr);
+          for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
+        }
+        ml[r] = Partial{mx, ml[r].l * corr + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]),
+                                                                                _mm512_add_ps(v[2], v[3])))};
+        _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+        _mm512_storeu_si512(pr + 16, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
+        continue;
+      }
+      for (int64_t j = 0; j < kAmxKeys; j += 16) _mm512_storeu_ps(sc + j, _mm512_mul_ps(_mm512_loadu_ps(sc + j), sv));
+      softmax_update(ml[r], ar, d, sc, kAmxKeys, from, visible);   // sc: probabilities, 0 outside
+      for (int64_t j = 0; j < kAmxKeys; j += 32)
+        _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + j + 16), _mm512_loadu_ps(sc + j)));
+    }
+    // O += P . V
+    for (int64_t rb = 0; rb < r32; rb += 32)
+      for (int64_t db = 0; db < d; db += 32) {
+        float* a0 = acc.data() + rb * d + db;
+        float* a1 = a0 + 16 * d;
+        _tile_loadd(0, a0, d * 4);
+        _tile_loadd(1, a0 + 16, d * 4);
+        _tile_loadd(2, a1, d * 4);
+        _tile_loadd(3, a1 + 16, d * 4);
+        for (int64_t ks = 0; ks < half; ks += 16) {
+          _tile_loadd(4, pw.data() + rb * half + ks, half * 4);
+          _tile_loadd(5, pw.data() + (rb + 16) * half + ks, half * 4);
+          _tile_loadd(6, vw + ks * d + db, d * 4);
+          _tile_loadd(7, vw + ks * d + db + 16, d * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, a0, d * 4);
+        _tile_stored(1, a0 + 16, d * 4);
+        _tile_stored(2, a1, d * 4);
+        _tile_stored(3, a1 + 16, d * 4);
+      }
+  }
+}
+#endif
+
 template <typename T, int64_t DC, bool Spread>
 void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                          const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h,
@@ -1262,11 +1428,48 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   int64_t work = 0;
   for (int64_t s = 0; s < num_seqs; ++s)
     work += (start_pos[s] + q_starts[s + 1] - q_starts[s]) * (q_starts[s + 1] - q_starts[s]) * h;
+  // prompt chunks on AMX tiles (bf16): their keys and values laid out once per (sequence, kv
+  // head), in chunks of kAmxKeys keys, before the items run (pack_tasks: (sequence, kv, chunk))
+  bool use_amx = false;
+  std::vector<int64_t> pack_off(num_seqs + 1, 0);
+  std::vector<std::array<int64_t, 3>> pack_tasks;
+  static thread_local std::vector<uint32_t> packed_store;
+#if defined(FASTGEN_HAVE_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    use_amx = amx_usable() && d % 32 == 0 && d <= 256;
+    for (int64_t s = 0; use_amx && s < num_seqs; ++s) {
+      const int64_t nq = q_starts[s + 1] - q_starts[s];
+      const int64_t chunks = nq > 1 ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
+      pack_off[s + 1] = pack_off[s] + chunks * kvh * amx_chunk_words(d);
+      for (int64_t kv = 0; kv < kvh; ++kv)
+        for (int64_t c = 0; c < chunks; ++c) pack_tasks.push_back({s, kv, c});
+    }
+    if (use_amx && packed_store.size() < static_cast<size_t>(pack_off[num_seqs])) packed_store.resize(pack_off[num_seqs]);
+  }
+#endif
+  uint32_t* packed = packed_store.data();
+  const int64_t num_pack = static_cast<int64_t>(pack_tasks.size());
 #pragma omp parallel num_threads(num_threads) if (num_items > 1 && work > (1 << 10))
   {
     std::vector<float> qf, acc, scores(std::max<int64_t>(4, kManyRows) * bs + 16), kf(bs * d), vf(bs * d);
     std::vector<uint32_t> qw, kw(bs * d / 2 + 16), vw(bs / 2 * d + 16), pw;
     std::vector<Partial> ml;
+    std::vector<uint16_t> qb16;
+    bool tiles = false;   // this thread configured the tiles (released at the end)
+#if defined(FASTGEN_HAVE_AMX)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (num_pack > 0) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_pack; ++t) {
+          const auto [s, kv, c] = pack_tasks[t];
+          const int64_t chunks = (pack_off[s + 1] - pack_off[s]) / (kvh * amx_chunk_words(d));
+          amx_pack_chunk(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys,
+                         start_pos[s] + q_starts[s + 1] - q_starts[s],
+                         packed + pack_off[s] + (kv * chunks + c) * amx_chunk_words(d));
+        }
+      }
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = items[it];
@@ -1290,6 +1493,16 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         }
       } else
 #endif
+#if defined(FASTGEN_HAVE_AMX)
+      if (std::is_same_v<T, at::BFloat16> && use_amx && !decode) {
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (!tiles) amx_configure(), tiles = true;
+          const int64_t chunks = (pack_off[s + 1] - pack_off[s]) / (kvh * amx_chunk_words(d));
+          attend_chunk_amx(item, q, q_starts, start_pos, h, kvh, d, scale, window,
+                           packed + pack_off[s] + item.kv * chunks * amx_chunk_words(d), acc, ml, qb16, scores, pw);
+        }
+      } else
+#endif
       {
         pw.resize((rows + 3) / 4 * 4 * bs / 2);
         attend_item<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
@@ -1306,6 +1519,9 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         for (int64_t i = 0; i < d; ++i) store(dst, i, acc[r * d + i] * inv);
       }
     }
+#if defined(FASTGEN_HAVE_AMX)
+    if (tiles) amx_release();
+#endif
   }
   if (part_off[num_items] == 0) return;
   // merge the key splits of long decodes
