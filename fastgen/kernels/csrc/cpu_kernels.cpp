@@ -1071,7 +1071,9 @@ struct DecodePrefetch {
 // (the same steps as the vector path's: fast_exp, probabilities rounded to bf16 pairs, an
 // unmoved maximum leaving the row as it is), and the tiles O += P . V into the fp32 accumulators,
 // loaded and stored by tile around it (2 x 16 rows by 2 x 16 values of d).
-constexpr int64_t kAmxKeys = 64;
+// 128 keys a chunk: 1.15-1.2x the rate of 64 (per-row reductions and the accumulators' tile loads
+// and stores spread over twice the keys; 256 queries at 1,792 keys: 502 -> 574 GFLOP/s)
+constexpr int64_t kAmxKeys = 128;
 
 inline int64_t amx_chunk_words(int64_t d) { return kAmxKeys * d; }   // kw + vw, 32-bit words
 
@@ -1171,22 +1173,35 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
       float* ar = acc.data() + r * d;
       uint32_t* pr = pw.data() + r * half;
       if (from == 0 && visible == kAmxKeys) {
-        __m512 v[4];
-        for (int i = 0; i < 4; ++i) v[i] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * i), sv);
-        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3])));
-        const float mx = std::max(ml[r].m, bm);
+        constexpr int NV = kAmxKeys / 16;
+        __m512 v[NV];
+        for (int i = 0; i < NV; ++i) v[i] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * i), sv);
+        // the running maximum moves only where a score exceeds it; only then is the chunk's
+        // maximum reduced across lanes (the same value either way)
+        const __m512 old = _mm512_set1_ps(ml[r].m);
+        __mmask16 up = 0;
+        for (int i = 0; i < NV; ++i) up |= _mm512_cmp_ps_mask(v[i], old, _CMP_GT_OQ);
+        float mx = ml[r].m;
+        if (up) {
+          __m512 m = v[0];
+          for (int i = 1; i < NV; ++i) m = _mm512_max_ps(m, v[i]);
+          mx = std::max(mx, _mm512_reduce_max_ps(m));
+        }
         const __m512 mv = _mm512_set1_ps(mx);
-        for (int i = 0; i < 4; ++i) v[i] = fast_exp16_nonpos(_mm512_sub_ps(v[i], mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < NV; ++i) {
+          v[i] = fast_exp16_nonpos(_mm512_sub_ps(v[i], mv));
+          sum = _mm512_add_ps(sum, v[i]);
+        }
         float corr = 1.f;
         if (mx != ml[r].m) {
           corr = fast_exp(ml[r].m - mx);
           const __m512 cv = _mm512_set1_ps(corr);
           for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
         }
-        ml[r] = Partial{mx, ml[r].l * corr + _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]),
-                                                                                _mm512_add_ps(v[2], v[3])))};
-        _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
-        _mm512_storeu_si512(pr + 16, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
+        ml[r] = Partial{mx, ml[r].l * corr + _mm512_reduce_add_ps(sum)};
+        for (int i = 0; i < NV; i += 2)
+          _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
         continue;
       }
       for (int64_t j = 0; j < kAmxKeys; j += 16) _mm512_storeu_ps(sc + j, _mm512_mul_ps(_mm512_loadu_ps(sc + j), sv));
