@@ -1172,42 +1172,49 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
       float* sc = scores.data() + r * kAmxKeys;
       float* ar = acc.data() + r * d;
       uint32_t* pr = pw.data() + r * half;
-      if (from == 0 && visible == kAmxKeys) {
-        constexpr int NV = kAmxKeys / 16;
-        __m512 v[NV];
-        for (int i = 0; i < NV; ++i) v[i] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * i), sv);
-        // the running maximum moves only where a score exceeds it; only then is the chunk's
-        // maximum reduced across lanes (the same value either way)
-        const __m512 old = _mm512_set1_ps(ml[r].m);
-        __mmask16 up = 0;
-        for (int i = 0; i < NV; ++i) up |= _mm512_cmp_ps_mask(v[i], old, _CMP_GT_OQ);
-        float mx = ml[r].m;
-        if (up) {
-          __m512 m = v[0];
-          for (int i = 1; i < NV; ++i) m = _mm512_max_ps(m, v[i]);
-          mx = std::max(mx, _mm512_reduce_max_ps(m));
-        }
-        const __m512 mv = _mm512_set1_ps(mx);
-        __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < NV; ++i) {
-          v[i] = fast_exp16_nonpos(_mm512_sub_ps(v[i], mv));
-          sum = _mm512_add_ps(sum, v[i]);
-        }
-        float corr = 1.f;
-        if (mx != ml[r].m) {
-          corr = fast_exp(ml[r].m - mx);
-          const __m512 cv = _mm512_set1_ps(corr);
-          for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
-        }
-        ml[r] = Partial{mx, ml[r].l * corr + _mm512_reduce_add_ps(sum)};
-        for (int i = 0; i < NV; i += 2)
-          _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
+      // the visible keys [from, visible) as lane masks (all lanes where the row sees the chunk
+      // whole); masked lanes take no part in the maximum and get probability 0
+      constexpr int NV = kAmxKeys / 16;
+      if (visible <= from) {
+        std::memset(pr, 0, half * sizeof(uint32_t));
         continue;
       }
-      for (int64_t j = 0; j < kAmxKeys; j += 16) _mm512_storeu_ps(sc + j, _mm512_mul_ps(_mm512_loadu_ps(sc + j), sv));
-      softmax_update(ml[r], ar, d, sc, kAmxKeys, from, visible);   // sc: probabilities, 0 outside
-      for (int64_t j = 0; j < kAmxKeys; j += 32)
-        _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + j + 16), _mm512_loadu_ps(sc + j)));
+      __mmask16 mk[NV];
+      bool whole = true;
+      for (int i = 0; i < NV; ++i) {
+        const int64_t lo = std::clamp<int64_t>(from - 16 * i, 0, 16), hi = std::clamp<int64_t>(visible - 16 * i, 0, 16);
+        mk[i] = hi > lo ? static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)) : 0;
+        whole &= mk[i] == 0xFFFF;
+      }
+      __m512 v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * i), sv);
+      // the running maximum moves only where a visible score exceeds it; only then is the
+      // chunk's maximum reduced across lanes (the same value either way)
+      const __m512 old = _mm512_set1_ps(ml[r].m);
+      __mmask16 up = 0;
+      for (int i = 0; i < NV; ++i) up |= _mm512_mask_cmp_ps_mask(mk[i], v[i], old, _CMP_GT_OQ);
+      float mx = ml[r].m;
+      if (up) {
+        __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int i = 0; i < NV; ++i) m = _mm512_mask_max_ps(m, mk[i], m, v[i]);
+        mx = std::max(mx, _mm512_reduce_max_ps(m));
+      }
+      const __m512 mv = _mm512_set1_ps(mx);
+      __m512 sum = _mm512_setzero_ps();
+      for (int i = 0; i < NV; ++i) {
+        v[i] = fast_exp16_nonpos(_mm512_sub_ps(v[i], mv));
+        if (!whole) v[i] = _mm512_maskz_mov_ps(mk[i], v[i]);
+        sum = _mm512_add_ps(sum, v[i]);
+      }
+      float corr = 1.f;
+      if (mx != ml[r].m) {
+        corr = fast_exp(ml[r].m - mx);
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
+      }
+      ml[r] = Partial{mx, ml[r].l * corr + _mm512_reduce_add_ps(sum)};
+      for (int i = 0; i < NV; i += 2)
+        _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
     }
     // O += P . V
     for (int64_t rb = 0; rb < r32; rb += 32)
