@@ -62,19 +62,31 @@ def smollm2_reference(smollm2_path):
     return model.eval()
 
 
-@pytest.fixture(params=[False, True], ids=["vector", "amx"])
+def _amx_here() -> bool:
+    """Whether the native kernels run AMX tiles on this host (built with them, granted by the OS)."""
+    from fastgen import kernels
+
+    return bool(kernels.load() and torch.ops.fastgen.have_amx())
+
+
+def pytest_generate_tests(metafunc):
+    # tests that take the `amx` fixture run the vector path everywhere and the AMX path where the
+    # CPU has it (collected only there: elsewhere the vector path is the only one)
+    if "amx" in metafunc.fixturenames:
+        params = [False, True] if _amx_here() else [False]
+        metafunc.parametrize("amx", params, ids=["vector", "amx"][:len(params)], indirect=True)
+
+
+@pytest.fixture
 def amx(request):
     """The native kernels' bf16 paths for prompt rows (qgemm, the chunk attention): AVX512 vectors,
-    or AMX tiles where the CPU has them (fastgen/kernels/csrc/amx.h; skipped elsewhere: there the
-    vector case is the only path). The switch is put back afterwards."""
+    or AMX tiles (fastgen/kernels/csrc/amx.h), by ``torch.ops.fastgen.set_amx``; put back after."""
     from fastgen import kernels
 
     if not kernels.load():
         pytest.fail("fastgen's native kernels did not build on this host")
     ops = torch.ops.fastgen
     was = ops.set_amx(request.param)
-    if request.param and not ops.have_amx():
-        ops.set_amx(was)
-        pytest.skip("no AMX tiles on this CPU (or FASTGEN_AMX=0)")
+    assert ops.have_amx() is request.param
     yield request.param
     ops.set_amx(was)
