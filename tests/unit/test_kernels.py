@@ -45,20 +45,11 @@ def _reference_attention(q, kp, vp, q_starts, start_pos, tables, window=0):
     return out
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.data())
-def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
-    dtype = data.draw(st.sampled_from(DTYPES))
-    kvh = data.draw(st.sampled_from([1, 2, 3]))
-    group = data.draw(st.sampled_from([1, 2, 3, 4, 5]))   # query heads per KV head: 1-4 take the decode
-    # path's register softmax over the group together, 5 the one-row update
-    d = data.draw(st.sampled_from([16, 64, 80]))          # 80: the generic (non-unrolled) head dim
-    bs = data.draw(st.sampled_from([4, 16, 32]))
-    specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), min_size=1, max_size=6))
-    window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))   # 0: no sliding window
+def _scrambled_pool(specs, kvh, group, d, bs, dtype, g, spare_blocks):
+    """A KV pool of random keys and values whose sequences ((start position, queries) in ``specs``)
+    own blocks in shuffled order, the queries, and the block tables as list and padded tensor."""
     need = [-(-(sp + nq) // bs) for sp, nq in specs]
-    num_blocks = sum(need) + 3
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    num_blocks = sum(need) + spare_blocks
     kp = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
     vp = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -72,6 +63,22 @@ def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
     q = torch.randn(q_starts[-1], kvh * group, d, generator=g).to(dtype)
     width = max(need)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return q, kp, vp, q_starts, tables, bt
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
+    dtype = data.draw(st.sampled_from(DTYPES))
+    kvh = data.draw(st.sampled_from([1, 2, 3]))
+    group = data.draw(st.sampled_from([1, 2, 3, 4, 5]))   # query heads per KV head: 1-4 take the decode
+    # path's register softmax over the group together, 5 the one-row update
+    d = data.draw(st.sampled_from([16, 64, 80]))          # 80: the generic (non-unrolled) head dim
+    bs = data.draw(st.sampled_from([4, 16, 32]))
+    specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), min_size=1, max_size=6))
+    window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))   # 0: no sliding window
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, dtype, g, spare_blocks=3)
     got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
                                             torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
                                             d ** -0.5, window)
@@ -229,21 +236,7 @@ def test_long_chunks_on_tiles_match_sdpa(d, group, window, amx):
     g = torch.Generator().manual_seed(d + group + window)
     bs, kvh = 16, 2
     specs = [(450, 300), (0, 77), (200, 1)]
-    need = [-(-(sp + nq) // bs) for sp, nq in specs]
-    num_blocks = sum(need) + 2
-    kp = torch.randn(num_blocks, bs, kvh, d, generator=g).bfloat16()
-    vp = torch.randn(num_blocks, bs, kvh, d, generator=g).bfloat16()
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, off = [], 0
-    for n in need:
-        tables.append(perm[off:off + n])
-        off += n
-    q_starts = [0]
-    for _, nq in specs:
-        q_starts.append(q_starts[-1] + nq)
-    q = torch.randn(q_starts[-1], kvh * group, d, generator=g).bfloat16()
-    width = max(need)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, torch.bfloat16, g, spare_blocks=2)
     got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
                                             torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
                                             d ** -0.5, window)

@@ -69,4 +69,39 @@ inline void amx_configure() {
 }
 
 inline void amx_release() { _tile_release(); }
+
+// The step every tile kernel here takes: tiles 0-3 += (A rows at a0 / a1) x (B columns at b0 /
+// b1), sums 0: a0.b0, 1: a0.b1, 2: a1.b0, 3: a1.b1 (A in tiles 4-5, B in 6-7; bf16 pairs)
+inline void amx_step_2x2(const void* a0, const void* a1, int64_t lda, const void* b0, const void* b1, int64_t ldb) {
+  _tile_loadd(4, a0, lda);
+  _tile_loadd(5, a1, lda);
+  _tile_loadd(6, b0, ldb);
+  _tile_loadd(7, b1, ldb);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// tiles 0-3 from / to four blocks of 16 x 16 fp32, ldc bytes between rows
+inline void amx_load_2x2(const float* c0, const float* c1, const float* c2, const float* c3, int64_t ldc) {
+  _tile_loadd(0, c0, ldc);
+  _tile_loadd(1, c1, ldc);
+  _tile_loadd(2, c2, ldc);
+  _tile_loadd(3, c3, ldc);
+}
+
+inline void amx_store_2x2(float* c0, float* c1, float* c2, float* c3, int64_t ldc) {
+  _tile_stored(0, c0, ldc);
+  _tile_stored(1, c1, ldc);
+  _tile_stored(2, c2, ldc);
+  _tile_stored(3, c3, ldc);
+}
+
+inline void amx_zero_2x2() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 #endif

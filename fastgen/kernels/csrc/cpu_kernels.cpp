@@ -1145,25 +1145,13 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     // S = Q . K^T
     for (int64_t rb = 0; rb < r32; rb += 32)
       for (int64_t kb = 0; kb < kAmxKeys; kb += 32) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_2x2();
         for (int64_t ks = 0; ks < d; ks += 32) {
-          _tile_loadd(4, qb16.data() + rb * d + ks, d * 2);
-          _tile_loadd(5, qb16.data() + (rb + 16) * d + ks, d * 2);
-          _tile_loadd(6, kw + (ks / 2) * kAmxKeys + kb, kAmxKeys * 4);
-          _tile_loadd(7, kw + (ks / 2) * kAmxKeys + kb + 16, kAmxKeys * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          const uint32_t* b = kw + (ks / 2) * kAmxKeys + kb;
+          amx_step_2x2(qb16.data() + rb * d + ks, qb16.data() + (rb + 16) * d + ks, d * 2, b, b + 16, kAmxKeys * 4);
         }
         float* sc = scores.data() + rb * kAmxKeys + kb;
-        _tile_stored(0, sc, kAmxKeys * 4);
-        _tile_stored(1, sc + 16, kAmxKeys * 4);
-        _tile_stored(2, sc + 16 * kAmxKeys, kAmxKeys * 4);
-        _tile_stored(3, sc + 16 * kAmxKeys + 16, kAmxKeys * 4);
+        amx_store_2x2(sc, sc + 16, sc + 16 * kAmxKeys, sc + 16 * kAmxKeys + 16, kAmxKeys * 4);
       }
     // the online softmax, row by row; probabilities to bf16 pairs
     for (int64_t r = 0; r < rows; ++r) {
@@ -1221,24 +1209,11 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
       for (int64_t db = 0; db < d; db += 32) {
         float* a0 = acc.data() + rb * d + db;
         float* a1 = a0 + 16 * d;
-        _tile_loadd(0, a0, d * 4);
-        _tile_loadd(1, a0 + 16, d * 4);
-        _tile_loadd(2, a1, d * 4);
-        _tile_loadd(3, a1 + 16, d * 4);
-        for (int64_t ks = 0; ks < half; ks += 16) {
-          _tile_loadd(4, pw.data() + rb * half + ks, half * 4);
-          _tile_loadd(5, pw.data() + (rb + 16) * half + ks, half * 4);
-          _tile_loadd(6, vw + ks * d + db, d * 4);
-          _tile_loadd(7, vw + ks * d + db + 16, d * 4);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, a0, d * 4);
-        _tile_stored(1, a0 + 16, d * 4);
-        _tile_stored(2, a1, d * 4);
-        _tile_stored(3, a1 + 16, d * 4);
+        amx_load_2x2(a0, a0 + 16, a1, a1 + 16, d * 4);
+        for (int64_t ks = 0; ks < half; ks += 16)
+          amx_step_2x2(pw.data() + rb * half + ks, pw.data() + (rb + 16) * half + ks, half * 4, vw + ks * d + db,
+                        vw + ks * d + db + 16, d * 4);
+        amx_store_2x2(a0, a0 + 16, a1, a1 + 16, d * 4);
       }
   }
 }

@@ -308,26 +308,14 @@ inline void amx_b_layout(const at::BFloat16* w, int64_t k, uint32_t* wv) {
 // c [32][32] fp32 (rows by features) = 32 rows of x (bf16, ldx bytes apart) . the panel wv; tiles
 // configured
 inline void amx_block(const at::BFloat16* x, int64_t ldx, const uint32_t* wv, int64_t k, float* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  amx_zero_2x2();
   const char* x0 = reinterpret_cast<const char*>(x);
   const char* x1 = x0 + 16 * ldx;
   for (int64_t kk = 0; kk < k; kk += 32) {
-    _tile_loadd(4, x0 + kk * 2, ldx);
-    _tile_loadd(5, x1 + kk * 2, ldx);
-    _tile_loadd(6, wv + (kk / 2) * kAmxPanel, kAmxPanel * 4);
-    _tile_loadd(7, wv + (kk / 2) * kAmxPanel + 16, kAmxPanel * 4);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    const uint32_t* b = wv + (kk / 2) * kAmxPanel;
+    amx_step_2x2(x0 + kk * 2, x1 + kk * 2, ldx, b, b + 16, kAmxPanel * 4);
   }
-  _tile_stored(0, c, kAmxPanel * 4);
-  _tile_stored(1, c + 16, kAmxPanel * 4);
-  _tile_stored(2, c + 16 * kAmxPanel, kAmxPanel * 4);
-  _tile_stored(3, c + 16 * kAmxPanel + 16, kAmxPanel * 4);
+  amx_store_2x2(c, c + 16, c + 16 * kAmxPanel, c + 16 * kAmxPanel + 16, kAmxPanel * 4);
 }
 
 void qgemm_amx(const at::BFloat16* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins,
