@@ -64,7 +64,7 @@ A8_LADDER = (2, 4, 8, 12, 16, 32, 64, 128)
 HEAD_LADDER = (2, 4, 8, 12, 16)
 NUM_REPEATS = 3
 MAX_MEASURE_S = 20.0
-NEVER = 1 << 30                     # min_a8_rows where qgemm_a8 never wins
+NEVER = QuantWeight.MAX_A8_ROWS     # past any row count: min_a8_rows where qgemm_a8 never wins, max_a8_rows unbounded
 
 
 @dataclass(frozen=True)

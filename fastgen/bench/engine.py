@@ -174,7 +174,6 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     # _int_mm's rate and its attention at the dtype's matmul rate. Where _int_mm is slower than the
     # dtype's own products (AVX2 hosts: torch has no fast int8 CPU product there, 2.4 against 141
     # GFLOP/s fp32 on a Zen 3), the products' limit is the faster of the two
-    roofline = matmul
     int8 = machine.matmul.get("int8")
     if int8 is not None and int8.gflops < matmul:
         print(f"   int8 _int_mm {int8.gflops:.1f} GOP/s is below {meta.dtype}'s {matmul:.1f} GFLOP/s on this "
@@ -188,15 +187,21 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
               f"{', AMX tiles' if torch.ops.fastgen.have_amx() else ''}): the prompt's roofline is "
               f"{meta.dtype}'s {matmul:.1f} GFLOP/s")
         int8 = None
+    chunk_tokens, chunk_start = (256, 1792) if not args.quick else (64, 192)
+
+    def rooflines(matmul: float) -> tuple[float, float]:
+        """The prefill's and the chunk's rooflines for the dtype's matmul rate ``matmul``."""
+        if int8 is None:
+            return matmul, matmul
+        return (prompt_roofline(costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1), int8.gflops,
+                                matmul),
+                prompt_roofline(costs, chunk_tokens, int8.gflops, matmul, start=chunk_start))
+
+    roofline, chunk_roofline = rooflines(matmul)
     if int8 is not None:
-        roofline = prompt_roofline(costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1),
-                                   int8.gflops, matmul)
         print(f"   prefill roofline {roofline:.1f} GFLOP/s: products at int8 _int_mm's "
               f"{int8.gflops:.1f}, attention at {meta.dtype}'s {matmul:.1f}")
     prefill = bench_prefill(engine, costs, sizes, roofline, rng)
-    chunk_tokens, chunk_start = (256, 1792) if not args.quick else (64, 192)
-    chunk_roofline = matmul if int8 is None else prompt_roofline(costs, chunk_tokens, int8.gflops, matmul,
-                                                                   start=chunk_start)
     chunk = bench_chunk(engine, costs, sizes, chunk_roofline, rng, chunk_tokens, chunk_start)
     # the dtype's matmul limit measured again after the prompts: on a shared VM its rate swings
     # between phases (oneDNN's bf16 2048^2 at 688 / 2,473 / 882 GFLOP/s in three runs on the AMX
@@ -207,10 +212,7 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
               f"the prompt ratios are taken against it")
         matmul = again
         machine.matmul[meta.dtype] = replace(machine.matmul[meta.dtype], gflops=again)
-        roofline = matmul if int8 is None else prompt_roofline(
-            costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1), int8.gflops, matmul)
-        chunk_roofline = matmul if int8 is None else prompt_roofline(costs, chunk_tokens, int8.gflops, matmul,
-                                                                       start=chunk_start)
+        roofline, chunk_roofline = rooflines(matmul)
         prefill = replace(prefill, roofline_gflops=roofline, roofline_ratio=prefill.achieved_gflops / roofline,
                           forward_roofline_ratio=prefill.forward_roofline_ratio * prefill.roofline_gflops / roofline)
         chunk = replace(chunk, roofline_gflops=chunk_roofline, roofline_ratio=chunk.achieved_gflops / chunk_roofline)

@@ -234,6 +234,8 @@ class QuantWeight:
     # qgemm_a8 takes its few-row path (one output feature per vector lane, W's groups turned into
     # words in registers) up to this many rows of 4- and 8-bit weights (kFewMaxRows, qgemm_a8.cpp)
     A8_FEW_ROWS = 32
+    # no upper row limit for qgemm_a8 (the fixed choice; AMX hosts measure one: fastgen/row_limits.py)
+    MAX_A8_ROWS = 1 << 30
 
     def __init__(self, quant: QuantRows, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
         self.quant = QuantRows(quant.kind, quant.qweight.contiguous(), quant.scales.half().contiguous(),
@@ -268,7 +270,7 @@ class QuantWeight:
                              and quant.kind in torch.ops.fastgen.a8_kinds())
         # the fixed row limits; an engine measures its host's (fastgen/row_limits.py)
         self.min_a8_rows = self.MIN_A8_ROWS
-        self.max_a8_rows = 1 << 30   # past it qgemm again (AMX hosts, measured: fastgen/row_limits.py)
+        self.max_a8_rows = self.MAX_A8_ROWS   # past it qgemm again
         if self.act_int8 and quant.kind == 4:
             self.max_qgemv_rows = self.MAX_QGEMV_ROWS_A8
         bf16_dot = quant.kind == 4 and torch.ops.fastgen.have_bf16_dot() and not self.act_int8

@@ -1426,9 +1426,11 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   for (int64_t s = 0; s < num_seqs; ++s)
     work += (start_pos[s] + q_starts[s + 1] - q_starts[s]) * (q_starts[s + 1] - q_starts[s]) * h;
   // prompt chunks on AMX tiles (bf16): their keys and values laid out once per (sequence, kv
-  // head), in chunks of kAmxKeys keys, before the items run (pack_tasks: (sequence, kv, chunk))
+  // head), in chunks of kAmxKeys keys, before the items run (pack_tasks: (sequence, kv, chunk));
+  // sequence s's kv head kv's chunk c at packed + amx_at(s, kv, c). With a sliding window, the
+  // chunks before the first query's window are left out (no query of the step reads them)
   bool use_amx = false;
-  std::vector<int64_t> pack_off(num_seqs + 1, 0);
+  std::vector<int64_t> pack_off(num_seqs + 1, 0), seq_chunks(num_seqs, 0);
   std::vector<std::array<int64_t, 3>> pack_tasks;
   static thread_local std::vector<uint32_t> packed_store;
 #if defined(FASTGEN_HAVE_AMX)
@@ -1436,15 +1438,19 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     use_amx = amx_usable() && d % 32 == 0 && d <= 256;
     for (int64_t s = 0; use_amx && s < num_seqs; ++s) {
       const int64_t nq = q_starts[s + 1] - q_starts[s];
-      const int64_t chunks = nq > 1 ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
-      pack_off[s + 1] = pack_off[s] + chunks * kvh * amx_chunk_words(d);
+      seq_chunks[s] = nq > 1 ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
+      pack_off[s + 1] = pack_off[s] + seq_chunks[s] * kvh * amx_chunk_words(d);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, start_pos[s] - window + 1) / kAmxKeys : 0;
       for (int64_t kv = 0; kv < kvh; ++kv)
-        for (int64_t c = 0; c < chunks; ++c) pack_tasks.push_back({s, kv, c});
+        for (int64_t c = first; c < seq_chunks[s]; ++c) pack_tasks.push_back({s, kv, c});
     }
     if (use_amx && packed_store.size() < static_cast<size_t>(pack_off[num_seqs])) packed_store.resize(pack_off[num_seqs]);
   }
 #endif
   uint32_t* packed = packed_store.data();
+  auto amx_at = [&](int64_t s, int64_t kv, int64_t c) {
+    return pack_off[s] + (kv * seq_chunks[s] + c) * amx_chunk_words(d);
+  };
   const int64_t num_pack = static_cast<int64_t>(pack_tasks.size());
 #pragma omp parallel num_threads(num_threads) if (num_items > 1 && work > (1 << 10))
   {
@@ -1459,10 +1465,8 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_pack; ++t) {
           const auto [s, kv, c] = pack_tasks[t];
-          const int64_t chunks = (pack_off[s + 1] - pack_off[s]) / (kvh * amx_chunk_words(d));
           amx_pack_chunk(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys,
-                         start_pos[s] + q_starts[s + 1] - q_starts[s],
-                         packed + pack_off[s] + (kv * chunks + c) * amx_chunk_words(d));
+                         start_pos[s] + q_starts[s + 1] - q_starts[s], packed + amx_at(s, kv, c));
         }
       }
     }
@@ -1491,12 +1495,11 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       } else
 #endif
 #if defined(FASTGEN_HAVE_AMX)
-      if (std::is_same_v<T, at::BFloat16> && use_amx && !decode) {
+      if (use_amx && !decode) {   // use_amx: bf16 only
         if constexpr (std::is_same_v<T, at::BFloat16>) {
           if (!tiles) amx_configure(), tiles = true;
-          const int64_t chunks = (pack_off[s + 1] - pack_off[s]) / (kvh * amx_chunk_words(d));
-          attend_chunk_amx(item, q, q_starts, start_pos, h, kvh, d, scale, window,
-                           packed + pack_off[s] + item.kv * chunks * amx_chunk_words(d), acc, ml, qb16, scores, pw);
+          attend_chunk_amx(item, q, q_starts, start_pos, h, kvh, d, scale, window, packed + amx_at(s, item.kv, 0),
+                           acc, ml, qb16, scores, pw);
         }
       } else
 #endif

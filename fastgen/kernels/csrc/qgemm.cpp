@@ -129,11 +129,13 @@ inline void dequant_rows(const uint8_t* qw, const uint16_t* scales, const uint16
 
 #pragma GCC pop_options
 
+// a panel of `panel` output features (NR for the vector path, 32 for the tiles): nc dequantized,
+// the rest zero
 template <typename T>
 inline void dequant_panel(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int kind, int64_t k,
-                          int64_t o0, int nc, T* w) {
+                          int64_t o0, int nc, T* w, int panel = NR) {
   dequant_rows<T>(qw, scales, mins, kind, k, o0, nc, w);
-  if (nc < NR) std::memset(static_cast<void*>(w + static_cast<int64_t>(nc) * k), 0, sizeof(T) * (NR - nc) * k);
+  if (nc < panel) std::memset(static_cast<void*>(w + static_cast<int64_t>(nc) * k), 0, sizeof(T) * (panel - nc) * k);
 }
 
 // rows r0 .. r0 + MB - 1 of x [m, k] (rows past m zero) into a [k/2][MB] pairs of bf16 (bf16)
@@ -349,12 +351,10 @@ void qgemm_amx(const at::BFloat16* x, const uint8_t* qw, const uint16_t* scales,
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t o0 = pi * kAmxPanel;
         const int nc = static_cast<int>(std::min<int64_t>(kAmxPanel, out_n - o0));
-        dequant_rows<at::BFloat16>(qw, scales, mins, kind, k, o0, nc, w);
-        if (nc < kAmxPanel) std::memset(static_cast<void*>(w + nc * k), 0, 2 * (kAmxPanel - nc) * k);
+        dequant_panel<at::BFloat16>(qw, scales, mins, kind, k, o0, nc, w, kAmxPanel);
         amx_b_layout(w, k, wv);
         if (silu) {
-          dequant_rows<at::BFloat16>(qw, scales, mins, kind, k, out_n + o0, nc, wu);
-          if (nc < kAmxPanel) std::memset(static_cast<void*>(wu + nc * k), 0, 2 * (kAmxPanel - nc) * k);
+          dequant_panel<at::BFloat16>(qw, scales, mins, kind, k, out_n + o0, nc, wu, kAmxPanel);
           amx_b_layout(wu, k, wvu);
         }
         const __mmask16 lo = static_cast<__mmask16>(nc >= 16 ? 0xFFFF : (1u << nc) - 1);
