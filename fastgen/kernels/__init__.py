@@ -79,6 +79,13 @@ def load_in_background() -> None:
         if "ok" in _state or "background" in _state:
             return
         _state["background"] = True
+    # torch's extension builder is imported here, on the caller's thread (~0.1 s), not on the
+    # new one: its import brings setuptools, whose import hook (_distutils_hack) joins
+    # sys.meta_path, and on the thread it ran while the caller imported transformers (the
+    # engine's config, right after this call). A CI run once failed in that window, in a
+    # server's start: "No module named 'huggingface_hub.utils'" from transformers' import,
+    # with the package installed, not seen before or after; the thread now imports nothing new
+    from torch.utils import cpp_extension  # noqa: F401
     threading.Thread(target=load, name="fastgen-kernels-load", daemon=True).start()
 
 
