@@ -292,6 +292,26 @@ def test_a_build_started_in_the_background_is_the_one_a_later_load_waits_for(mon
     assert kernels.load() is True and calls == ["fastgen-kernels-load"]
 
 
+def test_the_background_load_imports_the_extension_builder_before_its_thread_starts():
+    """torch's extension builder brings setuptools and its import hook; imported on the load's
+    thread it ran beside the engine's own imports (transformers), and a server once failed to
+    start with "No module named 'huggingface_hub.utils'". In a fresh interpreter: the builder is
+    imported by the time load_in_background returns (the thread may not have run at all), and
+    transformers then imports while the load runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from fastgen import kernels\n"
+            "before = 'torch.utils.cpp_extension' in sys.modules\n"
+            "kernels.load_in_background()\n"
+            "after = 'torch.utils.cpp_extension' in sys.modules\n"
+            "from transformers import AutoConfig\n"
+            "print(before, after, kernels.load())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+
+
 def test_a_first_build_shows_its_progress_by_the_files_it_writes(tmp_path, capsys):
     """The bar of a first build counts the object files and the library written since it began;
     files an earlier build left do not count, and a failed build still ends the bar's thread."""
