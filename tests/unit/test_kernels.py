@@ -228,7 +228,7 @@ def test_register_blocked_chunk_path(dtype, d, window, amx):
 
 @pytest.mark.parametrize("d,group,window", [(64, 3, 0), (64, 3, 150), (256, 4, 0), (96, 1, 70)])
 def test_long_chunks_on_tiles_match_sdpa(d, group, window, amx):
-    """bf16 prompt chunks long enough to cross many chunks of 64 keys, on AMX tiles where the CPU
+    """bf16 prompt chunks long enough to cross many chunks of 128 keys, on AMX tiles where the CPU
     has them (keys laid out once per sequence and kv head, 32-row tiles of query x head, the last
     padded) and on the vector path: a 300-query chunk after 450 cached keys, a fresh 77-query
     prompt and a decode in one call; head dims 64, 96 and 256 (Gemma 3), 1 to 4 heads a kv head,

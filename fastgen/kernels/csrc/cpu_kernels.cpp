@@ -788,7 +788,38 @@ inline void transpose16x16_epi32(__m512i* r) {
     r[12 + c] = _mm512_shuffle_i32x4(x1, x3, _MM_SHUFFLE(3, 1, 3, 1));   // column 12 + c
   }
 }
+
+// Keys as the B operand of S = Q . K^T (pairs of d along rows, keys along columns): 16 keys'
+// pairs db .. db + 15 transposed into kw[pair][key], pair db + c of key jb + j at
+// kw[(db + c) * ld + jb + j]. row_at(j): key jb + j's row of 32-bit pairs; keys from `count` on
+// read as zero (past a sequence's last key the pool holds anything). The chunk path's blocks and
+// the tiles' packed chunks both take it.
+template <typename RowAt>
+inline void pack_keys16(RowAt row_at, int64_t count, int64_t db, int64_t jb, int64_t ld, uint32_t* kw) {
+  __m512i t[16];
+  for (int64_t j = 0; j < 16; ++j) t[j] = j < count ? _mm512_loadu_si512(row_at(j) + db) : _mm512_setzero_si512();
+  transpose16x16_epi32(t);
+  for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(kw + (db + c) * ld + jb, t[c]);
+}
 #endif
+
+// Two keys' value rows (bf16 bits, d of them; nullptr: a missing key, read as zero) as pairs of
+// keys, dst[i] = (v1[i] << 16) | v0[i]: the B operand of O += P . V, one row of it
+inline void pair_value_rows(const uint16_t* v0, const uint16_t* v1, int64_t d, uint32_t* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (; i + 32 <= d; i += 32) {
+    const __m512i a = v0 != nullptr ? _mm512_loadu_si512(v0 + i) : _mm512_setzero_si512();
+    const __m512i b = v1 != nullptr ? _mm512_loadu_si512(v1 + i) : _mm512_setzero_si512();
+    // 16-bit interleave within 128-bit lanes, then the lanes put back in order
+    const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi));
+    _mm512_storeu_si512(dst + i + 16, _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi));
+  }
+#endif
+  for (; i < d; ++i)
+    dst[i] = (v0 != nullptr ? static_cast<uint32_t>(v0[i]) : 0u) | (v1 != nullptr ? static_cast<uint32_t>(v1[i]) << 16 : 0u);
+}
 
 template <typename T, int64_t DC>
 void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
@@ -855,21 +886,12 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
       // moves was ~15% of a tile's attention)
       const uint32_t* kb32 = reinterpret_cast<const uint32_t*>(kb);
       for (int64_t jb = 0; jb < bs; jb += 16)
-        for (int64_t db = 0; db < d2n; db += 16) {
-          __m512i t[16];
-          for (int64_t j = 0; j < 16; ++j)
-            t[j] = jb + j < n ? _mm512_loadu_si512(kb32 + (jb + j) * (kvh * d / 2) + db) : _mm512_setzero_si512();
-          transpose16x16_epi32(t);
-          for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(kw.data() + (db + c) * bs + jb, t[c]);
-        }
+        for (int64_t db = 0; db < d2n; db += 16)
+          pack_keys16([&](int64_t j) { return kb32 + (jb + j) * (kvh * d / 2); }, n - jb, db, jb, bs, kw.data());
       for (int64_t j2 = 0; j2 < half; ++j2) {
         const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vb + 2 * j2 * kvh * d);
         const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vb + (2 * j2 + 1) * kvh * d);
-        const bool has0 = 2 * j2 < n, has1 = 2 * j2 + 1 < n;
-        uint32_t* dst = vw.data() + j2 * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i)
-          dst[i] = (has0 ? static_cast<uint32_t>(v0[i]) : 0u) | (has1 ? static_cast<uint32_t>(v1[i]) << 16 : 0u);
+        pair_value_rows(2 * j2 < n ? v0 : nullptr, 2 * j2 + 1 < n ? v1 : nullptr, d, vw.data() + j2 * d);
       }
       for (int64_t r_first = 0; r_first < rows4;) {
         float* sc4 = scores.data();
@@ -1087,33 +1109,14 @@ inline void amx_pack_chunk(const at::BFloat16* kpool, const at::BFloat16* vpool,
     return pool + ((static_cast<int64_t>(table[key / bs]) * bs + key % bs) * kvh + kv) * d;
   };
   for (int64_t jb = 0; jb < kAmxKeys; jb += 16)
-    for (int64_t db = 0; db < d2; db += 16) {
-      __m512i t[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        const int64_t key = k0 + jb + j;
-        t[j] = key < num_keys ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(key_at(kpool, key)) + db)
-                              : _mm512_setzero_si512();
-      }
-      transpose16x16_epi32(t);
-      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(kw + (db + c) * kAmxKeys + jb, t[c]);
-    }
+    for (int64_t db = 0; db < d2; db += 16)
+      pack_keys16([&](int64_t j) { return reinterpret_cast<const uint32_t*>(key_at(kpool, k0 + jb + j)); },
+                  num_keys - (k0 + jb), db, jb, kAmxKeys, kw);
   for (int64_t j2 = 0; j2 < kAmxKeys / 2; ++j2) {
     const int64_t key = k0 + 2 * j2;
-    const bool has0 = key < num_keys, has1 = key + 1 < num_keys;
-    const uint16_t* v0 = has0 ? reinterpret_cast<const uint16_t*>(key_at(vpool, key)) : nullptr;
-    const uint16_t* v1 = has1 ? reinterpret_cast<const uint16_t*>(key_at(vpool, key + 1)) : nullptr;
-    uint32_t* o = vw + j2 * d;
-    for (int64_t i = 0; i < d; i += 32) {
-      const __m512i a = has0 ? _mm512_loadu_si512(v0 + i) : _mm512_setzero_si512();
-      const __m512i b = has1 ? _mm512_loadu_si512(v1 + i) : _mm512_setzero_si512();
-      // words i .. i + 31 as (a[i], b[i]) pairs: 16-bit interleave within 128-bit lanes, then
-      // the lanes put back in order
-      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-      const __m512i first = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi);
-      const __m512i second = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
-      _mm512_storeu_si512(o + i, first);
-      _mm512_storeu_si512(o + i + 16, second);
-    }
+    pair_value_rows(key < num_keys ? reinterpret_cast<const uint16_t*>(key_at(vpool, key)) : nullptr,
+                    key + 1 < num_keys ? reinterpret_cast<const uint16_t*>(key_at(vpool, key + 1)) : nullptr, d,
+                    vw + j2 * d);
   }
 }
 
@@ -1430,12 +1433,13 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   // sequence s's kv head kv's chunk c at packed + amx_at(s, kv, c). With a sliding window, the
   // chunks before the first query's window are left out (no query of the step reads them)
   bool use_amx = false;
-  std::vector<int64_t> pack_off(num_seqs + 1, 0), seq_chunks(num_seqs, 0);
+  std::vector<int64_t> pack_off, seq_chunks;   // sized where the tiles run (not for decode-only steps)
   std::vector<std::array<int64_t, 3>> pack_tasks;
   static thread_local std::vector<uint32_t> packed_store;
 #if defined(FASTGEN_HAVE_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    use_amx = amx_usable() && d % 32 == 0 && d <= 256;
+    use_amx = num_decodes < num_seqs && amx_usable() && d % 32 == 0 && d <= 256;
+    if (use_amx) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
     for (int64_t s = 0; use_amx && s < num_seqs; ++s) {
       const int64_t nq = q_starts[s + 1] - q_starts[s];
       seq_chunks[s] = nq > 1 ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
