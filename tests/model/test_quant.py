@@ -135,7 +135,9 @@ def test_int8_decode_batches_up_to_twelve_rows_take_the_gemv_row_by_row(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows,n", [(7, 12), (16, 40), (17, 70), (33, 36), (100, 25)])  # blocks of 16/32, panels of 12
+# blocks of 16/32, panels of 12 (vectors) or 32 (tiles); 700 rows at k = 1,536 take three passes on
+# the tiles, the later two reading the panels the first laid out
+@pytest.mark.parametrize("rows,n", [(7, 12), (16, 40), (17, 70), (33, 36), (100, 25), (700, 70)])
 @pytest.mark.parametrize("k", [32, 576, 1536])
 def test_quantized_gemm_matches_its_dequantized_weights(dtype, bits, rows, n, k, amx):
     """qgemm multiplies by the weights rounded to x's dtype (the values a dense copy held),
