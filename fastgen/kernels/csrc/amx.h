@@ -83,6 +83,20 @@ inline void amx_step_2x2(const void* a0, const void* a1, int64_t lda, const void
   _tile_dpbf16ps(3, 5, 7);
 }
 
+// amx_step_2x2 with the A rows loaded by tileloaddt1 (the non-temporal hint): for A rows that
+// stream past once while the B operand is used again (qgemm's rows of x against a panel)
+inline void amx_step_2x2_stream_a(const void* a0, const void* a1, int64_t lda, const void* b0, const void* b1,
+                                  int64_t ldb) {
+  _tile_stream_loadd(4, a0, lda);
+  _tile_stream_loadd(5, a1, lda);
+  _tile_loadd(6, b0, ldb);
+  _tile_loadd(7, b1, ldb);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // tiles 0-3 from / to four blocks of 16 x 16 fp32, ldc bytes between rows
 inline void amx_load_2x2(const float* c0, const float* c1, const float* c2, const float* c3, int64_t ldc) {
   _tile_loadd(0, c0, ldc);
