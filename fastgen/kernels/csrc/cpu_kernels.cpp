@@ -1146,6 +1146,33 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     const uint32_t* kw = packed + c * words;
     const uint32_t* vw = kw + kAmxKeys * d / 2;
     // S = Q . K^T
+    if (d == 64) {
+      // head dim 64: the 32 rows' queries stay in tiles 4-7 (rows x halves of d) for the whole
+      // chunk; per 16 keys two tiles of K^T and two of sums (rows 0-15, 16-31): half the tile
+      // loads of the 2 x 2 steps below. Measured (AMX host, SmolLM2's heads, the two loops
+      // alternated call by call, same output): 0.93x the attention's time at 2,048 prompt
+      // queries and at 256 queries after 1,792 keys
+      for (int64_t rb = 0; rb < r32; rb += 32) {
+        const uint16_t* q0 = qb16.data() + rb * d;
+        _tile_loadd(4, q0, d * 2);
+        _tile_loadd(5, q0 + 32, d * 2);
+        _tile_loadd(6, q0 + 16 * d, d * 2);
+        _tile_loadd(7, q0 + 16 * d + 32, d * 2);
+        for (int64_t kb = 0; kb < kAmxKeys; kb += 16) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_loadd(2, kw + kb, kAmxKeys * 4);
+          _tile_loadd(3, kw + 16 * kAmxKeys + kb, kAmxKeys * 4);
+          _tile_dpbf16ps(0, 4, 2);
+          _tile_dpbf16ps(1, 6, 2);
+          _tile_dpbf16ps(0, 5, 3);
+          _tile_dpbf16ps(1, 7, 3);
+          float* sc = scores.data() + rb * kAmxKeys + kb;
+          _tile_stored(0, sc, kAmxKeys * 4);
+          _tile_stored(1, sc + 16 * kAmxKeys, kAmxKeys * 4);
+        }
+      }
+    } else
     for (int64_t rb = 0; rb < r32; rb += 32)
       for (int64_t kb = 0; kb < kAmxKeys; kb += 32) {
         amx_zero_2x2();
