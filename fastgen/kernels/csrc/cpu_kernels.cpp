@@ -1145,6 +1145,10 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     const int64_t k0 = c * kAmxKeys;
     const uint32_t* kw = packed + c * words;
     const uint32_t* vw = kw + kAmxKeys * d / 2;
+    // the chunk's keys up to the last any row sees, in whole steps of 32 (on the diagonal the
+    // keys past the item's last query are skipped by the products and the softmax alike:
+    // 0.97x the time at 2,048 prompt queries, 0.98x at 256 after 1,792 keys, same output)
+    const int64_t kend = std::min<int64_t>(kAmxKeys, (p0 + qb - k0 + 31) / 32 * 32);
     // S = Q . K^T
     if (d == 64) {
       // head dim 64: the 32 rows' queries stay in tiles 4-7 (rows x halves of d) for the whole
@@ -1158,7 +1162,7 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
         _tile_loadd(5, q0 + 32, d * 2);
         _tile_loadd(6, q0 + 16 * d, d * 2);
         _tile_loadd(7, q0 + 16 * d + 32, d * 2);
-        for (int64_t kb = 0; kb < kAmxKeys; kb += 16) {
+        for (int64_t kb = 0; kb < kend; kb += 16) {
           _tile_zero(0);
           _tile_zero(1);
           _tile_loadd(2, kw + kb, kAmxKeys * 4);
@@ -1174,7 +1178,7 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
       }
     } else
     for (int64_t rb = 0; rb < r32; rb += 32)
-      for (int64_t kb = 0; kb < kAmxKeys; kb += 32) {
+      for (int64_t kb = 0; kb < kend; kb += 32) {
         amx_zero_2x2();
         for (int64_t ks = 0; ks < d; ks += 32) {
           const uint32_t* b = kw + (ks / 2) * kAmxKeys + kb;
@@ -1193,33 +1197,34 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
       // the visible keys [from, visible) as lane masks (all lanes where the row sees the chunk
       // whole); masked lanes take no part in the maximum and get probability 0
       constexpr int NV = kAmxKeys / 16;
+      const int nv = static_cast<int>(kend / 16);
       if (visible <= from) {
         std::memset(pr, 0, half * sizeof(uint32_t));
         continue;
       }
       __mmask16 mk[NV];
       bool whole = true;
-      for (int i = 0; i < NV; ++i) {
+      for (int i = 0; i < nv; ++i) {
         const int64_t lo = std::clamp<int64_t>(from - 16 * i, 0, 16), hi = std::clamp<int64_t>(visible - 16 * i, 0, 16);
         mk[i] = hi > lo ? static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)) : 0;
         whole &= mk[i] == 0xFFFF;
       }
       __m512 v[NV];
-      for (int i = 0; i < NV; ++i) v[i] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * i), sv);
+      for (int i = 0; i < nv; ++i) v[i] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * i), sv);
       // the running maximum moves only where a visible score exceeds it; only then is the
       // chunk's maximum reduced across lanes (the same value either way)
       const __m512 old = _mm512_set1_ps(ml[r].m);
       __mmask16 up = 0;
-      for (int i = 0; i < NV; ++i) up |= _mm512_mask_cmp_ps_mask(mk[i], v[i], old, _CMP_GT_OQ);
+      for (int i = 0; i < nv; ++i) up |= _mm512_mask_cmp_ps_mask(mk[i], v[i], old, _CMP_GT_OQ);
       float mx = ml[r].m;
       if (up) {
         __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int i = 0; i < NV; ++i) m = _mm512_mask_max_ps(m, mk[i], m, v[i]);
+        for (int i = 0; i < nv; ++i) m = _mm512_mask_max_ps(m, mk[i], m, v[i]);
         mx = std::max(mx, _mm512_reduce_max_ps(m));
       }
       const __m512 mv = _mm512_set1_ps(mx);
       __m512 sum = _mm512_setzero_ps();
-      for (int i = 0; i < NV; ++i) {
+      for (int i = 0; i < nv; ++i) {
         v[i] = fast_exp16_nonpos(_mm512_sub_ps(v[i], mv));
         if (!whole) v[i] = _mm512_maskz_mov_ps(mk[i], v[i]);
         sum = _mm512_add_ps(sum, v[i]);
@@ -1231,7 +1236,7 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
         for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
       }
       ml[r] = Partial{mx, ml[r].l * corr + _mm512_reduce_add_ps(sum)};
-      for (int i = 0; i < NV; i += 2)
+      for (int i = 0; i < nv; i += 2)
         _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
     }
     // O += P . V
@@ -1240,7 +1245,7 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
         float* a0 = acc.data() + rb * d + db;
         float* a1 = a0 + 16 * d;
         amx_load_2x2(a0, a0 + 16, a1, a1 + 16, d * 4);
-        for (int64_t ks = 0; ks < half; ks += 16)
+        for (int64_t ks = 0; ks < kend / 2; ks += 16)
           amx_step_2x2(pw.data() + rb * half + ks, pw.data() + (rb + 16) * half + ks, half * 4, vw + ks * d + db,
                         vw + ks * d + db + 16, d * 4);
         amx_store_2x2(a0, a0 + 16, a1, a1 + 16, d * 4);
