@@ -51,8 +51,8 @@ from ..request import SamplingParams
 from .engine_report import (Goal, goals, plot_curve, print_chunk, print_curve, print_decode, print_goals,
                             print_machine, print_overhead, print_prefill)
 from .kernels import bench_attention, decode_step_breakdown, host_isa, old_vs_new_decode, print_kernels
-from .machine import (MachineLimits, ModelCosts, busy_cpus, cpu_name, measure_machine, measure_matmul, model_costs,
-                      prompt_roofline, warn_if_busy)
+from .machine import (MachineLimits, ModelCosts, PairedRates, busy_cpus, cpu_name, measure_machine, measure_matmul,
+                      model_costs, prompt_roofline, warn_if_busy)
 from .overhead import HostOverhead, bench_overhead_parts, host_overhead
 from .prefill_decode import (ChunkResult, DecodeBound, DecodeResult, ForwardCurve, PrefillResult, bench_decode,
                              bench_chunk, bench_forward_curve, bench_prefill, decode_bandwidth)
@@ -189,20 +189,24 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
         int8 = None
     chunk_tokens, chunk_start = (256, 1792) if not args.quick else (64, 192)
 
-    def rooflines(matmul: float) -> tuple[float, float]:
-        """The prefill's and the chunk's rooflines for the dtype's matmul rate ``matmul``."""
+    def rooflines(matmul: float, int8_gflops: float | None = None) -> tuple[float, float]:
+        """The prefill's and the chunk's rooflines for the dtype's matmul rate ``matmul`` (and
+        _int_mm's, ``int8_gflops``, where the prompt's products are integer ones)."""
         if int8 is None:
             return matmul, matmul
-        return (prompt_roofline(costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1), int8.gflops,
-                                matmul),
-                prompt_roofline(costs, chunk_tokens, int8.gflops, matmul, start=chunk_start))
+        i8 = int8.gflops if int8_gflops is None else int8_gflops
+        return (prompt_roofline(costs, min(sizes.prefill_tokens, engine.config.max_model_len - 1), i8, matmul),
+                prompt_roofline(costs, chunk_tokens, i8, matmul, start=chunk_start))
 
     roofline, chunk_roofline = rooflines(matmul)
     if int8 is not None:
         print(f"   prefill roofline {roofline:.1f} GFLOP/s: products at int8 _int_mm's "
               f"{int8.gflops:.1f}, attention at {meta.dtype}'s {matmul:.1f}")
-    prefill = bench_prefill(engine, costs, sizes, roofline, rng)
-    chunk = bench_chunk(engine, costs, sizes, chunk_roofline, rng, chunk_tokens, chunk_start)
+    # the rooflines measured again beside every timed prompt run (paired_ratio)
+    rates = PairedRates(engine.config.dtype, sizes.matmul_n, engine.config.device, int8 is not None)
+    prefill = bench_prefill(engine, costs, sizes, roofline, rng, limit=lambda: rooflines(*rates())[0])
+    chunk = bench_chunk(engine, costs, sizes, chunk_roofline, rng, chunk_tokens, chunk_start,
+                        limit=lambda: rooflines(*rates())[1])
     # the dtype's matmul limit measured again after the prompts: on a shared VM its rate swings
     # between phases (oneDNN's bf16 2048^2 at 688 / 2,473 / 882 GFLOP/s in three runs on the AMX
     # host, 12-05), and a limit caught in a slow phase would flatter the ratios; the higher serves
@@ -215,8 +219,10 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
         roofline, chunk_roofline = rooflines(matmul)
         prefill = replace(prefill, roofline_gflops=roofline, roofline_ratio=prefill.achieved_gflops / roofline,
                           forward_roofline_ratio=prefill.forward_roofline_ratio * prefill.roofline_gflops / roofline)
-        chunk = replace(chunk, roofline_gflops=chunk_roofline, roofline_ratio=chunk.achieved_gflops / chunk_roofline)
-        print_prefill(prefill)
+        if chunk is not None:
+            chunk = replace(chunk, roofline_gflops=chunk_roofline,
+                            roofline_ratio=chunk.achieved_gflops / chunk_roofline)
+    print_prefill(prefill)
     print_chunk(chunk)
     decode = [bench_decode(engine, b, sizes, sampling, rng)
               for b in tqdm(sizes.decode_batches, desc="decode", leave=False, disable=None)]

@@ -118,6 +118,31 @@ def measure_matmul(dtype: torch.dtype, n: int, device: torch.device, sizes: Size
     return _measure_product(str(dtype), lambda: torch.matmul(a, b, out=out), n, device, sizes)
 
 
+class PairedRates:
+    """The dtype's matmul rate (and _int_mm's, with ``int8``) measured again in a few calls, best of
+    them (GFLOP/s): the limit measured right beside each timed prompt run (paired_ratio in
+    prefill_decode.py). The operands are made once."""
+
+    def __init__(self, dtype: torch.dtype, n: int, device: torch.device, int8: bool, calls: int = 5) -> None:
+        self.a = torch.randn(n, n, dtype=dtype, device=device)
+        self.b = torch.randn(n, n, dtype=dtype, device=device)
+        self.out = torch.empty(n, n, dtype=dtype, device=device)
+        self.ia = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device) if int8 else None
+        self.ib = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device) if int8 else None
+        self.n, self.device, self.calls = n, device, calls
+
+    def _best(self, product) -> float:
+        with torch.inference_mode():
+            product()
+            times = time_calls(product, self.device, num_warmup=0, num_repeats=self.calls, max_s=1.0, desc="matmul")
+        return 2.0 * self.n ** 3 / min(times) / 1e9
+
+    def __call__(self) -> tuple[float, float | None]:
+        """(the dtype's GFLOP/s, _int_mm's GOP/s or None)"""
+        rate = self._best(lambda: torch.matmul(self.a, self.b, out=self.out))
+        return rate, None if self.ia is None else self._best(lambda: torch._int_mm(self.ia, self.ib))
+
+
 def measure_int_mm(n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
     """int8 x int8 -> int32 products (``torch._int_mm``, n x n): the rate of the integer products
     that prompt rows take with int8 activations (GOP/s, reported as GFLOP/s)."""

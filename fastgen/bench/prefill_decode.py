@@ -7,6 +7,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,18 +55,38 @@ class PrefillResult:
     step: Summary
     forward: Summary
     flops_formula: str = FLOPS_FORMULA
+    # each timed run against the roofline measured right before and after it (the higher of the
+    # two), the median over the runs (see paired_ratio); None where no limit was measured so
+    paired_ratio: float | None = None
+    paired_rooflines: tuple[float, ...] = ()
+
+
+def paired_ratio(achieved: list[float], limits: list[float]) -> tuple[float, tuple[float, ...]]:
+    """The median of each run's rate over the higher of the limits measured just before and just
+    after it (``limits`` holds one more figure than ``achieved``: before the first run, then after
+    each), and the limits each run was held to. On a VM whose speed swings between phases (this
+    project's AMX host: oneDNN's bf16 matmul at 794 and 1,914 GFLOP/s in one run), a limit measured
+    minutes away from a run can belong to another phase; the neighbours of a run share its phase."""
+    if len(limits) != len(achieved) + 1 or not achieved:
+        raise ValueError(f"paired_ratio: {len(achieved)} runs need {len(achieved) + 1} limits, got {len(limits)}")
+    held = tuple(max(a, b) for a, b in zip(limits, limits[1:]))
+    return statistics.median(r / h for r, h in zip(achieved, held)), held
 
 
 def bench_prefill(engine, costs: ModelCosts, sizes: Sizes, matmul_gflops: float,
-                  rng: random.Random) -> PrefillResult:
+                  rng: random.Random, limit: Callable[[], float] | None = None) -> PrefillResult:
+    """``limit``: where given, measures the roofline (GFLOP/s) again; it is called before the
+    first timed run and after each, for :func:`paired_ratio`."""
     num_tokens = min(sizes.prefill_tokens, engine.config.max_model_len - 1)
     budget = engine.config.scheduler.budget_tokens
     max_steps = math.ceil(num_tokens / budget) + 2
     params = SamplingParams(max_new_tokens=1, do_sample=False, ignore_eos=True)
-    step_s, forward_s, num_steps = [], [], 0
+    step_s, forward_s, num_steps, limits = [], [], 0, []
     deadline = time.perf_counter() + sizes.max_measure_s * 2
     with timed_forward(engine) as fwd:
         for i in tqdm(range(1 + sizes.num_repeats), desc="prefill", leave=False, disable=None):
+            if i == 1 and limit is not None:
+                limits.append(limit())
             # a fresh prompt each run: a repeated one would be served from the prefix cache
             rid = engine.add_request(random_prompt(rng, engine.model_config.vocab_size, num_tokens), params)
             fwd.times_s.clear()
@@ -79,13 +100,17 @@ def bench_prefill(engine, costs: ModelCosts, sizes: Sizes, matmul_gflops: float,
             if i > 0:  # the first run is warmup
                 step_s.append(elapsed)
                 forward_s.append(sum(fwd.times_s))
+                if limit is not None:
+                    limits.append(limit())
             if i > 0 and time.perf_counter() > deadline:
                 break
     flops = costs.prefill_flops(num_tokens)
     med, fmed = statistics.median(step_s), statistics.median(forward_s)
+    paired, held = (None, ()) if limit is None else paired_ratio([flops / t / 1e9 for t in step_s], limits)
     return PrefillResult(num_tokens, budget, num_steps, num_tokens / med, num_tokens / fmed, flops / 1e9,
                          flops / med / 1e9, matmul_gflops, flops / med / 1e9 / matmul_gflops,
-                         flops / fmed / 1e9 / matmul_gflops, Summary.of(step_s), Summary.of(forward_s))
+                         flops / fmed / 1e9 / matmul_gflops, Summary.of(step_s), Summary.of(forward_s),
+                         paired_ratio=paired, paired_rooflines=held)
 
 
 @dataclass(frozen=True)
@@ -100,10 +125,13 @@ class ChunkResult:
     roofline_gflops: float
     roofline_ratio: float
     forward: Summary
+    paired_ratio: float | None = None       # as PrefillResult's
+    paired_rooflines: tuple[float, ...] = ()
 
 
 def bench_chunk(engine, costs: ModelCosts, sizes: Sizes, roofline_gflops: float, rng: random.Random,
-                num_tokens: int = 256, start: int = 1792) -> ChunkResult | None:
+                num_tokens: int = 256, start: int = 1792,
+                limit: Callable[[], float] | None = None) -> ChunkResult | None:
     """The model forward of ``num_tokens`` prompt tokens at position ``start``, after one forward
     of the first ``start`` (a private KV pool: the engine's blocks are left alone); None where the
     model is shorter. The chunk writes the same cache slots each time, so it repeats exactly."""
@@ -115,23 +143,28 @@ def bench_chunk(engine, costs: ModelCosts, sizes: Sizes, roofline_gflops: float,
     ids = random_prompt(rng, engine.model_config.vocab_size, start + num_tokens)
     head = build_batch([SeqInput(ids[:start], 0, blocks, 1)], bs, dev)
     chunk = build_batch([SeqInput(ids[start:], start, blocks, 1)], bs, dev)
-    times = []
+    times, limits = [], []
     with torch.inference_mode():
         engine.model(head, pool)
         deadline = time.perf_counter() + sizes.max_measure_s
         for i in range(1 + sizes.num_repeats):
+            if i == 1 and limit is not None:
+                limits.append(limit())
             t0 = time.perf_counter()
             engine.model(chunk, pool)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             if i:
                 times.append(time.perf_counter() - t0)
+                if limit is not None:
+                    limits.append(limit())
             if i and time.perf_counter() > deadline:
                 break
     flops = costs.chunk_flops(num_tokens, start)
     med = statistics.median(times)
+    paired, held = (None, ()) if limit is None else paired_ratio([flops / t / 1e9 for t in times], limits)
     return ChunkResult(num_tokens, start, med * 1e3, flops / 1e9, flops / med / 1e9, roofline_gflops,
-                       flops / med / 1e9 / roofline_gflops, Summary.of(times))
+                       flops / med / 1e9 / roofline_gflops, Summary.of(times), paired, held)
 
 
 # -- decode -------------------------------------------------------------------------------
