@@ -61,3 +61,23 @@ def test_the_prefill_measures_its_limit_beside_every_timed_run(tiny_engine):
     calls.clear()
     chunk = bench_chunk(tiny_engine, model_costs(tiny_engine), QUICK, 100.0, random.Random(0), 16, 32, limit=limit)
     assert chunk is not None and len(calls) == chunk.forward.num_samples + 1
+
+
+def test_the_prompt_goals_take_the_lower_of_the_whole_run_and_the_paired_ratio(tiny_engine):
+    """Across a phase change the paired ratio can flatter (a slow phase slowed oneDNN's matmul more
+    than fastgen's forward): the goal is held to the lower of the two figures."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from fastgen.bench.engine_report import goals
+    from fastgen.bench.machine import model_costs
+    from fastgen.bench.prefill_decode import bench_prefill
+    from fastgen.bench.timing import QUICK
+
+    result = bench_prefill(tiny_engine, model_costs(tiny_engine), QUICK, 100.0, random.Random(0))
+    other = SimpleNamespace(ratio=0.5, fraction=0.05)
+    high = replace(result, roofline_ratio=0.4, paired_ratio=0.9)
+    low = replace(result, roofline_ratio=0.8, paired_ratio=0.3)
+    assert goals(high, other, other)[0].measured == 0.4
+    assert goals(low, other, other)[0].measured == 0.3
+    assert goals(replace(result, roofline_ratio=0.75, paired_ratio=None), other, other)[0].passed
