@@ -71,24 +71,18 @@ inline void amx_configure() {
 inline void amx_release() { _tile_release(); }
 
 // The step every tile kernel here takes: tiles 0-3 += (A rows at a0 / a1) x (B columns at b0 /
-// b1), sums 0: a0.b0, 1: a0.b1, 2: a1.b0, 3: a1.b1 (A in tiles 4-5, B in 6-7; bf16 pairs)
+// b1), sums 0: a0.b0, 1: a0.b1, 2: a1.b0, 3: a1.b1 (A in tiles 4-5, B in 6-7; bf16 pairs).
+// StreamA: the A rows loaded by tileloaddt1 (the non-temporal hint), for A rows that stream past
+// once while the B operand is used again (qgemm's rows of x against a panel)
+template <bool StreamA = false>
 inline void amx_step_2x2(const void* a0, const void* a1, int64_t lda, const void* b0, const void* b1, int64_t ldb) {
-  _tile_loadd(4, a0, lda);
-  _tile_loadd(5, a1, lda);
-  _tile_loadd(6, b0, ldb);
-  _tile_loadd(7, b1, ldb);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
-}
-
-// amx_step_2x2 with the A rows loaded by tileloaddt1 (the non-temporal hint): for A rows that
-// stream past once while the B operand is used again (qgemm's rows of x against a panel)
-inline void amx_step_2x2_stream_a(const void* a0, const void* a1, int64_t lda, const void* b0, const void* b1,
-                                  int64_t ldb) {
-  _tile_stream_loadd(4, a0, lda);
-  _tile_stream_loadd(5, a1, lda);
+  if constexpr (StreamA) {
+    _tile_stream_loadd(4, a0, lda);
+    _tile_stream_loadd(5, a1, lda);
+  } else {
+    _tile_loadd(4, a0, lda);
+    _tile_loadd(5, a1, lda);
+  }
   _tile_loadd(6, b0, ldb);
   _tile_loadd(7, b1, ldb);
   _tile_dpbf16ps(0, 4, 6);

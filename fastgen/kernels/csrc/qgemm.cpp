@@ -327,7 +327,7 @@ inline void amx_block(const at::BFloat16* x, int64_t ldx, const uint32_t* wv, in
   const char* x1 = x0 + 16 * ldx;
   for (int64_t kk = 0; kk < k; kk += 32) {
     const uint32_t* b = wv + (kk / 2) * kAmxPanel;
-    amx_step_2x2_stream_a(x0 + kk * 2, x1 + kk * 2, ldx, b, b + 16, kAmxPanel * 4);
+    amx_step_2x2<true>(x0 + kk * 2, x1 + kk * 2, ldx, b, b + 16, kAmxPanel * 4);
   }
   amx_store_2x2(c, c + 16, c + 16 * kAmxPanel, c + 16 * kAmxPanel + 16, kAmxPanel * 4);
 }
