@@ -173,6 +173,18 @@ def test_quantized_gemm_on_tiles_matches_the_vector_path_with_silu(rows, n, k, a
     torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+def test_quantized_gemm_past_the_kept_panels_limit_lays_out_each_pass_itself(amx):
+    """A product whose bf16 panels pass 16 MB (8,224 x 1,024: 16.8 MB) is not kept between passes
+    on the tiles: 600 rows at k = 1,024 take two passes, each laying its panels out again (a short
+    last panel of 32 features included); both paths against the dequantized reference."""
+    g = torch.Generator().manual_seed(7)
+    q = quantize(torch.randn(8224, 1024, generator=g), 4)
+    x = torch.randn(600, 1024, generator=g).bfloat16()
+    want = x.float() @ q.dequantize().bfloat16().float().T
+    got = torch.ops.fastgen.qgemm(x, q.qweight, q.scales, q.mins, q.kind)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+
+
 def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
     """x rounded as qgemm_a8 rounds it: per (row, group of 32), to the nearest multiple of
     max|x| / 127 (ties to even), in fp32."""

@@ -348,10 +348,12 @@ void qgemm_amx(const at::BFloat16* x, const uint8_t* qw, const uint16_t* scales,
   // is free (a thread slowed down by the host takes fewer: a fixed split left the faster thread
   // waiting), in one parallel region for every pass. With more than one pass each panel is laid
   // out once, by the thread that takes it in the first pass, into a buffer the later passes read
-  // (ready[] says when; the item that fills it never waits, so nothing waits forever).
+  // (ready[] says when; the item that fills it never waits, so nothing waits forever). That buffer
+  // holds the product's weights in bf16 (3.5 MB for SmolLM2's gate/up) and stays with the calling
+  // thread for its later calls; past 16 MB (a larger model's product) every item lays out its own.
   const int64_t pass = amx_rows(k), passes = (m + pass - 1) / pass, items = passes * panels;
   const int64_t panel_words = k / 2 * kAmxPanel, per_panel = silu ? 2 : 1;
-  const bool keep = passes > 1;
+  const bool keep = passes > 1 && panels * per_panel * panel_words * 4 <= (int64_t{16} << 20);
   static thread_local std::vector<uint32_t> kept_store;
   std::unique_ptr<std::atomic<uint8_t>[]> ready;
   if (keep) {
