@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
         print(f"   prefill roofline {roofline:.1f} GFLOP/s: products at int8 _int_mm's "
               f"{int8.gflops:.1f}, attention at {meta.dtype}'s {matmul:.1f}")
     # the rooflines measured again beside every timed prompt run (paired_ratio)
-    rates = PairedRates(engine.config.dtype, sizes.matmul_n, engine.config.device, int8 is not None)
+    rates = PairedRates(engine.config.dtype, sizes.matmul_n, engine.config.device, int8 is not None, sizes)
     prefill = bench_prefill(engine, costs, sizes, roofline, rng, limit=lambda: rooflines(*rates())[0])
     chunk = bench_chunk(engine, costs, sizes, chunk_roofline, rng, chunk_tokens, chunk_start,
                         limit=lambda: rooflines(*rates())[1])

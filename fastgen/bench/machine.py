@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import torch
@@ -119,28 +119,27 @@ def measure_matmul(dtype: torch.dtype, n: int, device: torch.device, sizes: Size
 
 
 class PairedRates:
-    """The dtype's matmul rate (and _int_mm's, with ``int8``) measured again in a few calls, best of
-    them (GFLOP/s): the limit measured right beside each timed prompt run (paired_ratio in
-    prefill_decode.py). The operands are made once."""
+    """The dtype's matmul rate (and _int_mm's, with ``int8``) measured again in a few calls
+    (:func:`_measure_product`'s best, GFLOP/s): the limit measured right beside each timed prompt
+    run (paired_ratio in prefill_decode.py). The operands are made once."""
 
-    def __init__(self, dtype: torch.dtype, n: int, device: torch.device, int8: bool, calls: int = 5) -> None:
+    def __init__(self, dtype: torch.dtype, n: int, device: torch.device, int8: bool, sizes: Sizes) -> None:
         self.a = torch.randn(n, n, dtype=dtype, device=device)
         self.b = torch.randn(n, n, dtype=dtype, device=device)
         self.out = torch.empty(n, n, dtype=dtype, device=device)
         self.ia = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device) if int8 else None
         self.ib = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device) if int8 else None
-        self.n, self.device, self.calls = n, device, calls
-
-    def _best(self, product) -> float:
-        with torch.inference_mode():
-            product()
-            times = time_calls(product, self.device, num_warmup=0, num_repeats=self.calls, max_s=1.0, desc="matmul")
-        return 2.0 * self.n ** 3 / min(times) / 1e9
+        self.n, self.device = n, device
+        self.sizes = replace(sizes, num_repeats=1, max_measure_s=1.0)   # 2 warm-up calls, 4 timed
 
     def __call__(self) -> tuple[float, float | None]:
         """(the dtype's GFLOP/s, _int_mm's GOP/s or None)"""
-        rate = self._best(lambda: torch.matmul(self.a, self.b, out=self.out))
-        return rate, None if self.ia is None else self._best(lambda: torch._int_mm(self.ia, self.ib))
+        rate = _measure_product("again", lambda: torch.matmul(self.a, self.b, out=self.out), self.n, self.device,
+                                self.sizes).gflops
+        if self.ia is None:
+            return rate, None
+        return rate, _measure_product("int8 again", lambda: torch._int_mm(self.ia, self.ib), self.n, self.device,
+                                      self.sizes).gflops
 
 
 def measure_int_mm(n: int, device: torch.device, sizes: Sizes) -> MatmulPeak:
