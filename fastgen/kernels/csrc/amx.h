@@ -16,8 +16,8 @@
 #include <cstdint>
 #include <cstdlib>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BF16__) && defined(__linux__)
 #define FASTGEN_HAVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -1090,7 +1090,7 @@ struct DecodePrefetch {
 // An item (sequence, kv head, tile of kQueryTile queries) holds its rows (query x head sharing the
 // kv head) as bf16, padded to a multiple of 32; per chunk of keys the tiles give its scores
 // [rows][kAmxKeys] (2 x 16 rows by 2 x 16 keys at a time), the vector units the online softmax
-// (chunk_softmax_row: the vector path's steps but in log2 units with fast_exp2_16_nonpos,
+// (chunk_softmax_row: the vector path's steps but in log2 units with fast_exp2_16,
 // probabilities rounded to bf16 pairs, an unmoved maximum leaving the row as it is), and the tiles O += P . V into the fp32 accumulators,
 // loaded and stored by tile around it (2 x 16 rows by 2 x 16 values of d).
 // 128 keys a chunk: 1.15-1.2x the rate of 64 (per-row reductions and the accumulators' tile loads
@@ -1122,7 +1122,7 @@ inline void amx_pack_chunk(const at::BFloat16* kpool, const at::BFloat16* vpool,
 
 // One row's online-softmax step over a chunk's raw scores on tiles (sc[0 .. 16 nv)), in log2
 // units: t = (score - max) * c2, c2 = scale * log2(e), one fused multiply-subtract, then
-// fast_exp2_16_nonpos. ml.m is the row's running maximum of raw scores (only ml.l is read after
+// fast_exp2_16. ml.m is the row's running maximum of raw scores (only ml.l is read after
 // the item). The maximum moves only where a visible score exceeds it (only then is the chunk's
 // maximum reduced across lanes: the same value either way); the accumulator ar[d] is corrected
 // when it moved; the probabilities go to bf16 pairs in pr. Masked: the visible keys as lane
@@ -1131,9 +1131,10 @@ inline void amx_pack_chunk(const at::BFloat16* kpool, const at::BFloat16* vpool,
 // the whole chunk. Measured (AMX host, SmolLM2's heads, the op alone, 30 calls each way
 // alternated, twice): the unmasked rows alone took the attention to 0.85-0.89x of its time
 // (same output: per row and chunk the scalar loop that built eight masks cost about what the
-// row's vector work did); with the log2 units and fast_exp2_16_nonpos as well, 0.83-0.84x at
-// 2,048 prompt queries and 0.86-0.87x at 256 queries after 1,792 keys, against an fp32
-// reference the same largest and mean errors to 1e-7. (The sum kept as a vector per row and
+// row's vector work did); with the log2 units and a degree-4 exp2 as well, 0.83-0.84x at
+// 2,048 prompt queries and 0.86-0.87x at 256 queries after 1,792 keys; that exp2 split by
+// floor (fast_exp2_16) instead of by rounding with a clamp, a further 0.95x and 0.96-0.98x.
+// Against an fp32 reference: the same largest and mean errors to 1e-7. (The sum kept as a vector per row and
 // reduced once per item instead of once per chunk: level, not kept.)
 template <bool Masked, int NV>
 inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, float c2, Partial& ml, float* ar,
@@ -1154,7 +1155,7 @@ inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, floa
   const __m512 cv2 = _mm512_set1_ps(c2), mc = _mm512_set1_ps(mx * c2);
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < n; ++i) {
-    v[i] = fast_exp2_16_nonpos(_mm512_fmsub_ps(v[i], cv2, mc));
+    v[i] = fast_exp2_16(_mm512_fmsub_ps(v[i], cv2, mc));
     if constexpr (Masked) v[i] = _mm512_maskz_mov_ps(mk[i], v[i]);
     sum = _mm512_add_ps(sum, v[i]);
   }
