@@ -1091,8 +1091,9 @@ struct DecodePrefetch {
 // kv head) as bf16, padded to a multiple of 32; per chunk of keys the tiles give its scores
 // [rows][kAmxKeys] (2 x 16 rows by 2 x 16 keys at a time), the vector units the online softmax
 // (chunk_softmax_row: the vector path's steps but in log2 units with fast_exp2_16,
-// probabilities rounded to bf16 pairs, an unmoved maximum leaving the row as it is), and the tiles O += P . V into the fp32 accumulators,
-// loaded and stored by tile around it (2 x 16 rows by 2 x 16 values of d).
+// probabilities rounded to bf16 pairs, an unmoved maximum leaving the row as it is), and the
+// tiles O += P . V into the fp32 accumulators, loaded and stored by tile around it (2 x 16 rows
+// by 2 x 16 values of d).
 // 128 keys a chunk: 1.15-1.2x the rate of 64 (per-row reductions and the accumulators' tile loads
 // and stores spread over twice the keys; 256 queries at 1,792 keys: 502 -> 574 GFLOP/s)
 constexpr int64_t kAmxKeys = 128;
@@ -1182,7 +1183,8 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     std::memcpy(qb16.data() + r * d, q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d, d * 2);
   acc.assign(r32 * d, 0.f);
   ml.assign(r32, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (scores.size() < 32 * kAmxKeys) scores.resize(32 * kAmxKeys);   // one block of 32 rows at a time
+  if (scores.size() < 32 * kAmxKeys) scores.resize(32 * kAmxKeys);
+  float* const sb = scores.data();   // the scores of one block of 32 rows at a time
   pw.assign(r32 * kAmxKeys / 2, 0u);
   const int64_t c0 = first_visible(p0 + qa) / kAmxKeys, c1 = (p0 + qb - 1) / kAmxKeys + 1;
   const int64_t half = kAmxKeys / 2, words = amx_chunk_words(d);
@@ -1195,8 +1197,8 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     // keys past the item's last query are skipped by the products and the softmax alike:
     // 0.97x the time at 2,048 prompt queries, 0.98x at 256 after 1,792 keys, same output)
     const int64_t kend = std::min<int64_t>(kAmxKeys, (p0 + qb - k0 + 31) / 32 * 32);
-    // S = Q . K^T for rows rb .. rb + 31 into sb [32][kAmxKeys]
-    auto qk_block = [&](int64_t rb, float* sb) {
+    // S = Q . K^T for rows rb .. rb + 31 into the 32-row scratch sb [32][kAmxKeys]
+    auto qk_block = [&](int64_t rb) {
       if (d == 64) {
         // head dim 64: the 32 rows' queries stay in tiles 4-7 (rows x halves of d) for the whole
         // chunk; per 16 keys two tiles of K^T and two of sums (rows 0-15, 16-31): half the tile
@@ -1264,8 +1266,8 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     // after 1,792 keys. (The P . V of each block right after its softmax as well: 1.03-1.05x,
     // not kept.)
     for (int64_t rb = 0; rb < r32; rb += 32) {
-      qk_block(rb, scores.data());
-      for (int64_t r = rb; r < std::min(rb + 32, rows); ++r) softmax_row(r, scores.data() + (r - rb) * kAmxKeys);
+      qk_block(rb);
+      for (int64_t r = rb; r < std::min(rb + 32, rows); ++r) softmax_row(r, sb + (r - rb) * kAmxKeys);
     }
     // O += P . V
     for (int64_t rb = 0; rb < r32; rb += 32)
