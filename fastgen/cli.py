@@ -34,6 +34,8 @@ _ENGINE_HELP = {
                     "prompt tokens / 512 per s, the paper's TTFT SLA)",
     "kernels": "auto | native (fastgen's CPU kernels) | torch",
     "quantization": "auto (a GGUF's weights as shipped) | none | int8 | int4",
+    "kv_cache_dtype": "auto (the KV cache in the model's dtype) | int8 (a byte a value and a scale a token and KV "
+                      "head: half the memory and the decodes' reads of bf16, attention slightly less exact)",
     "int8_activations": "int8 activations (VNNI) for prompt rows of quantized layers, and for decode rows where "
                         "qgemv has no bf16 dot products (faster, less exact; default: on unless --dtype "
                         "float32 is given)",

@@ -38,6 +38,9 @@ SCHEDULERS = ("splitfuse", "prefill-first", "static")
 PROMPT_ORDERS = ("arrival", "deadline")
 KERNELS = ("auto", "native", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# the KV cache's storage: "auto" holds the model's dtype; "int8" one byte a value and an fp32 scale
+# per (token, KV head) row (fastgen/cache/pool.py), as vLLM's --kv-cache-dtype or llama.cpp's -ctk/-ctv
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class EngineConfig:
     max_model_len: int
     kernels: str = "torch"   # "native" (fastgen's CPU kernels) or "torch"
     quantization: str = "none"   # "auto" (a GGUF as shipped), "none", "int8", "int4"
+    kv_cache_dtype: str = "auto"   # "auto" (the model's dtype) or "int8" (KV_CACHE_DTYPES)
     int8_activations: bool = False
     cuda_graphs: bool = True   # decode steps as CUDA graphs where they apply (fastgen/model/cuda_graphs.py)
     tensor_parallel_size: int = 1   # ranks of this replica (fastgen.parallel); num_threads is per rank
@@ -176,6 +180,7 @@ class EngineOptions:
     prompt_order: str = "arrival"
     kernels: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     # int8 activations where they pay (VNNI; see fastgen.model.quant.QuantWeight). None (auto): on,
     # except when dtype float32 is asked for by name, which promises the exact products of the
     # shipped weights (greedy parity with transformers); on since they took prompt rows: serving
@@ -216,6 +221,9 @@ class EngineOptions:
         if self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
                                       param="quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                                      param="kv_cache_dtype")
         if self.kernels not in KERNELS:
             raise InvalidRequestError(f"kernels must be one of {KERNELS}, got {self.kernels!r}", param="kernels")
         if self.dtype not in ("auto", *_DTYPES) and not _is_torch_dtype(self.dtype):
@@ -242,7 +250,7 @@ def resolve_int8_activations(int8_activations: bool | None, dtype: "str | torch.
 
 
 def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_per_token: int,
-                          model_max_len: int) -> EngineConfig:
+                          model_max_len: int, head_dim: int = 0) -> EngineConfig:
     """Resolve every "auto" in ``options`` against the machine and the loaded model."""
     import torch
 
@@ -250,8 +258,18 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
     dtype = resolve_dtype(options.dtype, device)
     num_threads = options.num_threads or int(os.environ.get("FASTGEN_NUM_THREADS", 0)) \
         or len(os.sched_getaffinity(0))
-    elem_size = torch.empty((), dtype=dtype).element_size()
-    bytes_per_block = kv_elems_per_token * elem_size * options.block_size
+    if options.kv_cache_dtype == "int8":
+        if head_dim % 4 or options.block_size % 4:
+            raise InvalidRequestError(f"kv_cache_dtype='int8' needs a head dim and block_size divisible by 4, got "
+                                      f"{head_dim} and {options.block_size}", param="kv_cache_dtype")
+        if device.type == "cuda" and options.cuda_graphs:
+            raise InvalidRequestError("kv_cache_dtype='int8' runs eagerly on a GPU: pass cuda_graphs=False "
+                                      "(--no-cuda-graphs) with it", param="kv_cache_dtype")
+        # a byte a value, and an fp32 scale a (token, KV head) row of head_dim values
+        bytes_per_block = (kv_elems_per_token + kv_elems_per_token // head_dim * 4) * options.block_size
+    else:
+        elem_size = torch.empty((), dtype=dtype).element_size()
+        bytes_per_block = kv_elems_per_token * elem_size * options.block_size
     num_blocks = options.num_blocks or max(1, options.kv_cache_bytes // bytes_per_block)
     max_model_len = min(options.max_model_len or model_max_len, model_max_len)
     reserve = options.reserve_blocks if options.reserve_blocks is not None \
@@ -267,6 +285,7 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
                                   prompt_order=options.prompt_order),
         max_model_len=max_model_len, kernels=kernels,
         quantization=resolve_quantization(options.quantization, kernels),
+        kv_cache_dtype=options.kv_cache_dtype,
         int8_activations=resolve_int8_activations(options.int8_activations, options.dtype),
         tensor_parallel_size=options.tensor_parallel_size, cuda_graphs=options.cuda_graphs,
     )

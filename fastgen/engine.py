@@ -124,7 +124,7 @@ class Engine:
         spare = 1 if getattr(self.model, "uses_cuda_graphs", False) else 0
         return KVPool.for_model(mc, num_kv_heads=local_kv_heads(self.model, mc), num_blocks=num_blocks,
                                 block_size=cfg.cache.block_size, dtype=cfg.dtype, device=cfg.device,
-                                spare_blocks=spare)
+                                spare_blocks=spare, kv_dtype=cfg.kv_cache_dtype)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":
@@ -136,6 +136,7 @@ class Engine:
         hf_config = load_hf_config(path)
         model_config = ModelConfig.from_hf(hf_config)
         config = resolve_engine_config(path, opts, kv_elems_per_token=model_config.kv_elems_per_token,
+                                       head_dim=model_config.head_dim,
                                        model_max_len=model_config.max_position_embeddings)
         torch.set_num_threads(config.num_threads)
         if config.tensor_parallel_size > 1:

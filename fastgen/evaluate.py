@@ -2,6 +2,7 @@
 
     fastgen eval-ppl                           # every mode of the default model, one table
     fastgen eval-ppl --modes float32:none bfloat16:auto --tokens 1024
+    fastgen eval-ppl --modes bfloat16:auto+a8 bfloat16:auto+a8+kv8    # the KV cache in int8 against bf16
 
 Perplexity is teacher-forced over the last ``tokens`` tokens of the shipped Shakespeare
 text (fastgen/bench/data; the benchmark cuts its prompts from the whole file, so this is
@@ -30,7 +31,7 @@ PROMPTS = (
     "To be, or not to be,", "import numpy as np\n", "Water boils at", "The quick brown fox",
 )
 DEFAULT_MODES = ("float32:none", "float32:auto", "bfloat16:none", "bfloat16:auto", "bfloat16:auto+a8",
-                 "bfloat16:int8", "bfloat16:int4")
+                 "bfloat16:auto+a8+kv8", "bfloat16:int8", "bfloat16:int4")
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,14 @@ def evaluate(model: str | None, modes: tuple[str, ...], num_tokens: int, max_new
     reference: list[tuple[int, ...]] | None = None
     for mode in ("float32:none", *[m for m in modes if m != "float32:none"]):
         dtype, quantization = mode.split(":")
-        quantization, _, a8 = quantization.partition("+")     # "+a8": int8 activations
+        quantization, *flags = quantization.split("+")     # "+a8": int8 activations, "+kv8": an int8 KV cache
+        unknown = set(flags) - {"a8", "kv8"}
+        if unknown:
+            raise ValueError(f"mode {mode!r}: unknown flag(s) {sorted(unknown)}; known: +a8, +kv8")
         t0 = time.perf_counter()
         pipe = pipeline(model, dtype=dtype, quantization=quantization, budget_tokens=256,
-                        int8_activations=a8 == "a8", **engine_options)
+                        int8_activations="a8" in flags, kv_cache_dtype="int8" if "kv8" in flags else "auto",
+                        **engine_options)
         engine = pipe.engine
         ids = heldout_tokens(engine.tokenizer, num_tokens)
         ppl = decode_perplexity(engine, ids, window)
@@ -146,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastgen eval-ppl", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
-    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="DTYPE:QUANTIZATION[+a8]",
-                    help="+a8: int8 activations (prompt rows; decode rows where that pays)")
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="DTYPE:QUANTIZATION[+a8][+kv8]",
+                    help="+a8: int8 activations (prompt rows; decode rows where that pays); +kv8: the KV cache in "
+                         "int8 (kv_cache_dtype='int8')")
     ap.add_argument("--tokens", type=int, default=1024, help="held-out tokens for perplexity (default 1024)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     ns = ap.parse_args(argv)

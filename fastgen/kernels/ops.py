@@ -92,6 +92,7 @@ class NativeOps:
         from . import fast_op
         self._rms_norm, self._add_rms_norm_ = fast_op("rms_norm"), fast_op("add_rms_norm_")
         self._silu_mul, self._rope_write_kv = fast_op("silu_mul"), fast_op("rope_write_kv")
+        self._rope_write_kv_i8 = fast_op("rope_write_kv_i8")
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
@@ -103,7 +104,12 @@ class NativeOps:
         return self._silu_mul(gate_up)
 
     def rope_write_kv(self, qkv, positions, cos, sin, slots, pool, layer, num_heads, num_kv_heads, head_dim):
-        q, k = self._rope_write_kv(qkv, positions, cos, sin, slots, pool.keys[layer], pool.values[layer],
+        if pool.quantized:
+            q, k = self._rope_write_kv_i8(qkv, positions, cos, sin, slots, pool.keys[layer], pool.values[layer],
+                                          pool.key_scales[layer], pool.value_scales[layer], num_heads,
+                                          num_kv_heads, head_dim)
+        else:
+            q, k = self._rope_write_kv(qkv, positions, cos, sin, slots, pool.keys[layer], pool.values[layer],
                                        num_heads, num_kv_heads, head_dim)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(qkv.shape[0], num_kv_heads, head_dim)
         return q, k, v

@@ -94,4 +94,4 @@ class NativeStack:
         batch, plan, pool = step.batch, step.plan, step.pool
         assert isinstance(plan, PagedPlan)
         return self._stack.run(x, residual, batch.positions, batch.slots, pool.keys, pool.values, plan.q_starts,
-                               plan.start_pos, plan.block_tables)
+                               plan.start_pos, plan.block_tables, pool.key_scales, pool.value_scales)

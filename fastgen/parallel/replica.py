@@ -161,7 +161,8 @@ def serve_rank(device: torch.device) -> int:
         pool = pools.get(key)
         if pool is None:  # rank 0 ran on a pool this rank has not seen: its engine's, a calibration's
             pool = pools[key] = KVPool.for_model(local, num_kv_heads=local.num_kv_heads, num_blocks=num_blocks,
-                                                 block_size=block_size, dtype=config.dtype, device=group.device)
+                                                 block_size=block_size, dtype=config.dtype, device=group.device,
+                                                 kv_dtype=config.kv_cache_dtype)
         try:
             net(batch, pool)
         except Exception as e:  # exit, so rank 0's next collective fails at once instead of waiting

@@ -10,19 +10,21 @@ from fastgen.cache import BlockAllocator, KVPool
 
 
 def ragged_logits(model, cfg, sequences: list[list[int]], *, block_size: int, seed: int,
-                  max_chunk: int = 8, paths: dict[str, int] | None = None) -> list[torch.Tensor]:
+                  max_chunk: int = 8, paths: dict[str, int] | None = None,
+                  kv_dtype: str = "auto") -> list[torch.Tensor]:
     """Feed every sequence through ``model`` in random chunks, many sequences per forward.
 
     Each step, every unfinished sequence gets a random chunk (1 token = the decode path,
     several = a prompt chunk, starting at 0 or continuing). Returns, per sequence, the
     logits of every position ``[len(seq), vocab]``. ``paths`` (if given) counts the attention
-    paths the batches took: decodes, chunks from position 0, continuing chunks.
+    paths the batches took: decodes, chunks from position 0, continuing chunks. ``kv_dtype``: the
+    pool's (KVPool).
     """
     rng = random.Random(seed)
     num_blocks = sum(-(-len(s) // block_size) for s in sequences) + 2
     pool = KVPool(num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=block_size,
                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                  dtype=model.dtype, device=torch.device("cpu"))
+                  dtype=model.dtype, device=torch.device("cpu"), kv_dtype=kv_dtype)
     alloc = BlockAllocator(num_blocks)
     # hand out blocks in a scrambled order so that block tables are not contiguous
     alloc.allocate(1)

@@ -24,7 +24,8 @@ def _checkpoint(name: str, tmp_path) -> str:
     return str(tmp_path)
 
 
-def _logits(model, cfg, sequences, max_chunk: int, use_stack: bool, monkeypatch) -> tuple[list, int]:
+def _logits(model, cfg, sequences, max_chunk: int, use_stack: bool, monkeypatch,
+            kv_dtype: str = "auto") -> tuple[list, int]:
     """Per-position logits through random ragged schedules, and how many forwards took the stack."""
     calls = []
     real_run = NativeStack.run
@@ -36,7 +37,8 @@ def _logits(model, cfg, sequences, max_chunk: int, use_stack: bool, monkeypatch)
     monkeypatch.setattr(NativeStack, "run", counted)
     monkeypatch.setenv("FASTGEN_LAYER_STACK", "1" if use_stack else "0")
     model.__dict__["_stack"] = None
-    return ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=max_chunk), len(calls)
+    return ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=max_chunk,
+                         kv_dtype=kv_dtype), len(calls)
 
 
 # llama: dense or quantized rows, GQA; mistral-window-13: a sliding window inside a block; qwen2: a
@@ -127,5 +129,22 @@ def test_past_qgemv_the_stack_calls_the_many_row_kernels_the_closures_call(dtype
     model.__dict__["_stack"] = None
     got = ragged_logits(model, cfg, sequences, block_size=4, seed=3, max_chunk=1)
     assert {3, 16} <= set(calls) or (3 in calls and max(calls) > 4), sorted(set(calls))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stack_gives_the_closures_logits_over_an_int8_kv_cache(dtype, tmp_path, monkeypatch):
+    """With kv_cache_dtype="int8" the stack calls the 8-bit pool's ops (rope_write_kv_i8,
+    paged_attention_i8) as the closures do: the same logits, bit for bit."""
+    path = _checkpoint("llama", tmp_path)
+    model = load_model(path, dtype=dtype, device=torch.device("cpu"), max_positions=256, kernels="native",
+                       quantization="int4")
+    cfg = ModelConfig.from_hf(load_hf_config(path))
+    gen = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (5, 19, 33)]
+    want, closures_calls = _logits(model, cfg, sequences, 1, False, monkeypatch, kv_dtype="int8")
+    got, stack_calls = _logits(model, cfg, sequences, 1, True, monkeypatch, kv_dtype="int8")
+    assert closures_calls == 0 and stack_calls > 0
     for g, w in zip(got, want):
         assert torch.equal(g, w)

@@ -34,6 +34,10 @@ using SiluMul = T(const T&);
 using RopeWriteKv = std::vector<T>(const T&, const T&, const T&, const T&, const T&, T&, T&, int64_t, int64_t,
                                    int64_t);
 using PagedAttention = T(const T&, const T&, const T&, const T&, const T&, const T&, double, int64_t);
+using RopeWriteKvI8 = std::vector<T>(const T&, const T&, const T&, const T&, const T&, T&, T&, T&, T&, int64_t,
+                                     int64_t, int64_t);
+using PagedAttentionI8 = T(const T&, const T&, const T&, const T&, const T&, const T&, const T&, const T&, double,
+                           int64_t);
 using Gemv = T(const T&, const T&, const OptT&);
 using Qgemv = T(const T&, const T&, const T&, const OptT&, int64_t, bool);
 using Qgemm = T(const T&, const T&, const T&, const OptT&, int64_t, const OptT&, bool);
@@ -73,6 +77,8 @@ class LayerStack {
         silu_mul_(handle<SiluMul>("fastgen::silu_mul")),
         rope_write_kv_(handle<RopeWriteKv>("fastgen::rope_write_kv")),
         paged_attention_(handle<PagedAttention>("fastgen::paged_attention")),
+        rope_write_kv_i8_(handle<RopeWriteKvI8>("fastgen::rope_write_kv_i8")),
+        paged_attention_i8_(handle<PagedAttentionI8>("fastgen::paged_attention_i8")),
         gemv_(handle<Gemv>("fastgen::gemv")),
         qgemv_(handle<Qgemv>("fastgen::qgemv")),
         qgemm_(handle<Qgemm>("fastgen::qgemm")),
@@ -86,19 +92,29 @@ class LayerStack {
   // x: the first layer's input norm of `residual` ([T, hidden]); updates `residual` in place and
   // returns the last layer's `next_norm` of it. k_pools/v_pools: the KV pool's tensors by layer;
   // the rest is the step's PagedPlan.
+  // k_scales, v_scales: an 8-bit pool's (kv_cache_dtype="int8"), one per layer; empty for a pool of x's dtype
   T run(T x, T residual, const T& positions, const T& slots, std::vector<T> k_pools, std::vector<T> v_pools,
-        const T& q_starts, const T& start_pos, const T& block_tables) {
+        const T& q_starts, const T& start_pos, const T& block_tables, std::vector<T> k_scales,
+        std::vector<T> v_scales) {
     TORCH_CHECK(max_layer_ < static_cast<int64_t>(std::min(k_pools.size(), v_pools.size())),
                 "LayerStack: no KV pool tensor for layer ", max_layer_);
+    const bool i8 = !k_scales.empty();
+    TORCH_CHECK(!i8 || (k_scales.size() == k_pools.size() && v_scales.size() == v_pools.size()),
+                "LayerStack: an 8-bit KV pool needs a scale tensor per layer");
     const int64_t rows = x.size(0);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       const StackLayer* nl = i + 1 < layers_.size() ? &layers_[i + 1] : nullptr;
       T qkv = product(l.qkv, x, &l.o);
-      std::vector<T> qk = rope_write_kv_.call(qkv, positions, l.cos, l.sin, slots, k_pools[l.layer],
-                                              v_pools[l.layer], l.heads, l.kv_heads, l.head_dim);
-      T o = paged_attention_.call(qk[0].contiguous(), k_pools[l.layer], v_pools[l.layer], q_starts, start_pos,
-                                  block_tables, l.scale, l.window);
+      std::vector<T> qk = i8 ? rope_write_kv_i8_.call(qkv, positions, l.cos, l.sin, slots, k_pools[l.layer],
+                                                      v_pools[l.layer], k_scales[l.layer], v_scales[l.layer], l.heads,
+                                                      l.kv_heads, l.head_dim)
+                             : rope_write_kv_.call(qkv, positions, l.cos, l.sin, slots, k_pools[l.layer],
+                                                   v_pools[l.layer], l.heads, l.kv_heads, l.head_dim);
+      T o = i8 ? paged_attention_i8_.call(qk[0].contiguous(), k_pools[l.layer], v_pools[l.layer], k_scales[l.layer],
+                                          v_scales[l.layer], q_starts, start_pos, block_tables, l.scale, l.window)
+               : paged_attention_.call(qk[0].contiguous(), k_pools[l.layer], v_pools[l.layer], q_starts, start_pos,
+                                       block_tables, l.scale, l.window);
       T a = product(l.o, o.reshape({rows, -1}), &l.gate_up);
       add_rms_norm_.call(a, residual, l.post_norm, l.post_eps);
       T gu = product(l.gate_up, a, &l.down);
@@ -131,6 +147,8 @@ class LayerStack {
   c10::TypedOperatorHandle<SiluMul> silu_mul_;
   c10::TypedOperatorHandle<RopeWriteKv> rope_write_kv_;
   c10::TypedOperatorHandle<PagedAttention> paged_attention_;
+  c10::TypedOperatorHandle<RopeWriteKvI8> rope_write_kv_i8_;
+  c10::TypedOperatorHandle<PagedAttentionI8> paged_attention_i8_;
   c10::TypedOperatorHandle<Gemv> gemv_;
   c10::TypedOperatorHandle<Qgemv> qgemv_;
   c10::TypedOperatorHandle<Qgemm> qgemm_, qgemm_a8_;
@@ -166,6 +184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                     int64_t, int64_t, int64_t)>("fastgen::rope_write_kv");
   static auto paged_attention = handle<T(const T&, const T&, const T&, const T&, const T&, const T&, double,
                                          int64_t)>("fastgen::paged_attention");
+  static auto rope_write_kv_i8 = handle<RopeWriteKvI8>("fastgen::rope_write_kv_i8");
+  static auto paged_attention_i8 = handle<PagedAttentionI8>("fastgen::paged_attention_i8");
   static auto gemv = handle<T(const T&, const T&, const OptT&)>("fastgen::gemv");
   static auto qgemv = handle<T(const T&, const T&, const T&, const OptT&, int64_t, bool)>("fastgen::qgemv");
   static auto qgemm = handle<T(const T&, const T&, const T&, const OptT&, int64_t, const OptT&, bool)>(
@@ -201,6 +221,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", [](const T& q, const T& k_pool, const T& v_pool, const T& q_starts, const T& start_pos,
                               const T& block_tables, double scale, int64_t window) {
     return paged_attention.call(q, k_pool, v_pool, q_starts, start_pos, block_tables, scale, window);
+  });
+  m.def("rope_write_kv_i8", [](const T& qkv, const T& positions, const T& cos, const T& sin, const T& slots,
+                               T k_pool, T v_pool, T k_scales, T v_scales, int64_t h, int64_t kvh, int64_t d) {
+    return rope_write_kv_i8.call(qkv, positions, cos, sin, slots, k_pool, v_pool, k_scales, v_scales, h, kvh, d);
+  });
+  m.def("paged_attention_i8", [](const T& q, const T& k_pool, const T& v_pool, const T& k_scales,
+                                 const T& v_scales, const T& q_starts, const T& start_pos, const T& block_tables,
+                                 double scale, int64_t window) {
+    return paged_attention_i8.call(q, k_pool, v_pool, k_scales, v_scales, q_starts, start_pos, block_tables, scale,
+                                   window);
   });
   m.def("gemv", [](const T& x, const T& w, const OptT& bias) { return gemv.call(x, w, bias); });
   m.def("qgemv", [](const T& x, const T& qw, const T& scales, const OptT& mins, int64_t kind, bool act_int8) {
