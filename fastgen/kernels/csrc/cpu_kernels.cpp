@@ -1464,6 +1464,73 @@ constexpr bool kHaveDecodeI8 = true;
 template <int64_t DC>
 constexpr bool decode_i8_built() { return DC > 0 && DC % 64 == 0; }
 
+// A block of 32 keys of one KV head against its R query rows (attend_decode_i8's block size 32
+// path): scores, online softmax, and P.V in registers. Keys outside [from, n) take no part.
+template <int64_t DC, int R>
+inline void i8_block32(const int8_t* kb, const int8_t* vb, const float* ksc, const float* vsc, const int32_t* qi,
+                       const float* qsc, const float* qcorr, int64_t from, int64_t n, Partial* ml, float* acc) {
+  constexpr int64_t W = DC / 4, bs = 32;
+  constexpr int C = static_cast<int>(DC / 16);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i dot[R][2];
+  for (int r = 0; r < R; ++r) dot[r][0] = _mm512_setzero_si512(), dot[r][1] = _mm512_setzero_si512();
+  for (int64_t w = 0; w < W; ++w) {   // values 4w .. 4w + 3 of the 32 keys
+    const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(kb + w * bs * 4), flip);
+    const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512(kb + w * bs * 4 + 64), flip);
+    for (int r = 0; r < R; ++r) {
+      const __m512i qv = _mm512_set1_epi32(qi[r * W + w]);
+      dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], k0, qv);
+      dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], k1, qv);
+    }
+  }
+  const uint32_t live = static_cast<uint32_t>(((n >= 32 ? 0xFFFFFFFFull : ((1ull << n) - 1)) >> from) << from);
+  const __mmask16 m0 = static_cast<__mmask16>(live & 0xFFFF), m1 = static_cast<__mmask16>(live >> 16);
+  const __m512 ks0 = _mm512_loadu_ps(ksc), ks1 = _mm512_loadu_ps(ksc + 16);
+  const __m512 vs0 = _mm512_loadu_ps(vsc), vs1 = _mm512_loadu_ps(vsc + 16);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) uint32_t pw[R][8];
+  float pmax[R];
+  for (int r = 0; r < R; ++r) {
+    // |dot| <= 255 * 127 * DC: exact in fp32
+    const __m512 f = _mm512_set1_ps(qsc[r]), c = _mm512_set1_ps(qcorr[r]);
+    const __m512 s0 = _mm512_mask_mov_ps(ninf, m0, _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(dot[r][0]), c), f), ks0));
+    const __m512 s1 = _mm512_mask_mov_ps(ninf, m1, _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(dot[r][1]), c), f), ks1));
+    const float mx = std::max(ml[r].m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+    const __m512 mv = _mm512_set1_ps(mx);
+    const __m512 p0 = _mm512_maskz_mov_ps(m0, fast_exp16_nonpos(_mm512_sub_ps(s0, mv)));
+    const __m512 p1 = _mm512_maskz_mov_ps(m1, fast_exp16_nonpos(_mm512_sub_ps(s1, mv)));
+    float corr = 1.f;
+    if (mx != ml[r].m) {   // an unmoved maximum leaves the accumulator as it is
+      corr = fast_exp(ml[r].m - mx);
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int cc = 0; cc < C; ++cc) _mm512_storeu_ps(acc + r * DC + 16 * cc, _mm512_mul_ps(_mm512_loadu_ps(acc + r * DC + 16 * cc), cv));
+    }
+    ml[r] = Partial{mx, ml[r].l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1))};
+    // the probabilities times the value rows' scales, to 8 bits against their largest
+    const __m512 q0 = _mm512_mul_ps(p0, vs0), q1 = _mm512_mul_ps(p1, vs1);
+    pmax[r] = _mm512_reduce_max_ps(_mm512_max_ps(q0, q1));
+    const __m512 k = _mm512_set1_ps(pmax[r] > 0.f ? 255.f / pmax[r] : 0.f);
+    _mm_store_si128(reinterpret_cast<__m128i*>(pw[r]), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(q0, k))));
+    _mm_store_si128(reinterpret_cast<__m128i*>(pw[r] + 4), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(q1, k))));
+  }
+  __m512i ai[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) ai[r][c] = _mm512_setzero_si512();
+  for (int64_t j4 = from / 4; j4 < (n + 3) / 4; ++j4) {   // four keys' probabilities against 16 values of them
+    __m512i vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vb + j4 * DC * 4 + 64 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512i pv = _mm512_set1_epi32(static_cast<int>(pw[r][j4]));
+      for (int c = 0; c < C; ++c) ai[r][c] = _mm512_dpbusd_epi32(ai[r][c], pv, vv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 f = _mm512_set1_ps(pmax[r] / 255.f);
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(acc + r * DC + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]), f, _mm512_loadu_ps(acc + r * DC + 16 * c)));
+  }
+}
+
 // One decode item (a key split of one sequence, all heads) over the 8-bit pool. Each head's
 // query is rounded to int8 with its own scale, as the keys are; a score is the exact integer dot
 // product of the two (vpdpbusd on the keys taken as unsigned q + 128, with 128 * sum(query) taken
@@ -1521,6 +1588,18 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
       const float* ksc = kv8.ks + (blk * kvh + kv) * bs;
       const float* vsc = kv8.vs + (blk * kvh + kv) * bs;
       const int64_t r0 = kv * group;
+      if (bs == 32 && group <= 4) {
+        const int32_t* qr = qi.data() + r0 * W;
+        Partial* mr = ml.data() + r0;
+        float* ar = acc.data() + r0 * d;
+        switch (group) {
+          case 1: i8_block32<DC, 1>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
+          case 2: i8_block32<DC, 2>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
+          case 3: i8_block32<DC, 3>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
+          default: i8_block32<DC, 4>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
+        }
+        continue;
+      }
       for (int64_t rb = r0; rb < r0 + group; rb += 4) {
         const int rn = static_cast<int>(std::min<int64_t>(4, r0 + group - rb));
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -1858,6 +1937,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // so either path stores the same bytes.
 template <typename T>
 inline void quantize_kv_row(const T* x, int64_t d, int8_t* q, float* s) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (d % 16 == 0) {   // the same arithmetic, 16 values at a time (vdivps and vcvtps2dq round as the scalar code)
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, load16_as_float(x + c, 0xFFFF)));
+    const float sc = _mm512_reduce_max_ps(mx) / 127.f;
+    *s = sc;
+    const __m512 sv = _mm512_set1_ps(sc);
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512i v = sc > 0.f ? _mm512_cvtps_epi32(_mm512_div_ps(load16_as_float(x + c, 0xFFFF), sv))
+                                 : _mm512_setzero_si512();
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm512_cvtsepi32_epi8(v));
+    }
+    return;
+  }
+#endif
   float amax = 0.f;
   for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(load(x, i)));
   const float sc = amax / 127.f;
@@ -1901,29 +1996,86 @@ std::vector<at::Tensor> rope_write_kv_i8(const at::Tensor& qkv, const at::Tensor
         const float* kx = kt.data_ptr<float>();
         const float* vx = vt.data_ptr<float>();
         at::parallel_for(0, tokens * kvh, 64, [&](int64_t a, int64_t b) {
-          int8_t kq[1024];
+          alignas(64) int8_t kq[1024];
           for (int64_t i = a; i < b; ++i) {
             const int64_t blk = sl[i / kvh] / bs, off = sl[i / kvh] % bs, kv = i % kvh;
             quantize_kv_row(kx + i * d, d, kq, ksp + (blk * kvh + kv) * bs + off);
-            for (int64_t e = 0; e < d; ++e) kp[k_i8_at(blk, kv, off, e, kvh, d, bs)] = kq[e];
+            for (int64_t e = 0; e < d; e += 4) std::memcpy(kp + k_i8_at(blk, kv, off, e, kvh, d, bs), kq + e, 4);
             quantize_kv_row(vx + i * d, d, kq, vsp + (blk * kvh + kv) * bs + off);
-            for (int64_t e = 0; e < d; ++e) vp[v_i8_at(blk, kv, off, e, kvh, d, bs)] = kq[e];
+            int8_t* vdst = vp + v_i8_at(blk, kv, off, 0, kvh, d, bs);
+            for (int64_t e = 0; e < d; ++e) vdst[4 * e] = kq[e];
           }
         }); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         const at::BFloat16* kx = kt.data_ptr<at::BFloat16>();
         const at::BFloat16* vx = vt.data_ptr<at::BFloat16>();
         at::parallel_for(0, tokens * kvh, 64, [&](int64_t a, int64_t b) {
-          int8_t kq[1024];
+          alignas(64) int8_t kq[1024];
           for (int64_t i = a; i < b; ++i) {
             const int64_t blk = sl[i / kvh] / bs, off = sl[i / kvh] % bs, kv = i % kvh;
             quantize_kv_row(kx + i * d, d, kq, ksp + (blk * kvh + kv) * bs + off);
-            for (int64_t e = 0; e < d; ++e) kp[k_i8_at(blk, kv, off, e, kvh, d, bs)] = kq[e];
+            for (int64_t e = 0; e < d; e += 4) std::memcpy(kp + k_i8_at(blk, kv, off, e, kvh, d, bs), kq + e, 4);
             quantize_kv_row(vx + i * d, d, kq, vsp + (blk * kvh + kv) * bs + off);
-            for (int64_t e = 0; e < d; ++e) vp[v_i8_at(blk, kv, off, e, kvh, d, bs)] = kq[e];
+            int8_t* vdst = vp + v_i8_at(blk, kv, off, 0, kvh, d, bs);
+            for (int64_t e = 0; e < d; ++e) vdst[4 * e] = kq[e];
           }
         }); }));
   return qk;
+}
+
+// KV head kv of block blk of an 8-bit pool, dequantized into block `to` of a pool of T
+// ([bs][kvh][d], the other kernels' layout): x = q * s rounded to T
+template <typename T>
+void dequant_kv_block(const int8_t* kp, const int8_t* vp, const float* ksp, const float* vsp, int64_t blk,
+                      int64_t kv, int64_t kvh, int64_t d, int64_t bs, T* kd, T* vd, int64_t to) {
+  const float* ks = ksp + (blk * kvh + kv) * bs;
+  const float* vs = vsp + (blk * kvh + kv) * bs;
+  auto dst = [&](T* base, int64_t off) { return base + ((to * bs + off) * kvh + kv) * d; };
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+  if (d % 64 == 0 && bs % 16 == 0) {
+    auto put16 = [&](T* out, __m128i bytes, float sc) {   // 16 int8 values times sc -> T
+      store16<T>(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), _mm512_set1_ps(sc)), 0xFFFF);
+    };
+    // K [d/4][bs][4]: per 64 values and 16 keys, a 16 x 16 transpose of 32-bit words gives each key's 64 bytes
+    const int8_t* kb = kp + (blk * kvh + kv) * (d / 4) * bs * 4;
+    for (int64_t j0 = 0; j0 < bs; j0 += 16)
+      for (int64_t w0 = 0; w0 < d / 4; w0 += 16) {
+        __m512i r[16];
+        for (int64_t w = 0; w < 16; ++w) r[w] = _mm512_loadu_si512(kb + ((w0 + w) * bs + j0) * 4);
+        transpose16x16_epi32(r);   // r[j]: values 4 w0 .. 4 w0 + 63 of key j0 + j
+        for (int64_t j = 0; j < 16; ++j) {
+          T* out = dst(kd, j0 + j) + 4 * w0;
+          put16(out, _mm512_castsi512_si128(r[j]), ks[j0 + j]);
+          put16(out + 16, _mm512_extracti32x4_epi32(r[j], 1), ks[j0 + j]);
+          put16(out + 32, _mm512_extracti32x4_epi32(r[j], 2), ks[j0 + j]);
+          put16(out + 48, _mm512_extracti32x4_epi32(r[j], 3), ks[j0 + j]);
+        }
+      }
+    // V [bs/4][d][4]: per 4 keys and 16 values one byte permutation gives each key's 16 values
+    const int8_t* vb = vp + (blk * kvh + kv) * bs * d;
+    alignas(64) uint8_t idx[64];
+    for (int k = 0; k < 4; ++k)
+      for (int e = 0; e < 16; ++e) idx[k * 16 + e] = static_cast<uint8_t>(e * 4 + k);
+    const __m512i perm = _mm512_load_si512(idx);
+    for (int64_t j4 = 0; j4 < bs / 4; ++j4)
+      for (int64_t e0 = 0; e0 < d; e0 += 16) {
+        const __m512i x = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(vb + (j4 * d + e0) * 4));
+        put16(dst(vd, 4 * j4) + e0, _mm512_castsi512_si128(x), vs[4 * j4]);
+        put16(dst(vd, 4 * j4 + 1) + e0, _mm512_extracti32x4_epi32(x, 1), vs[4 * j4 + 1]);
+        put16(dst(vd, 4 * j4 + 2) + e0, _mm512_extracti32x4_epi32(x, 2), vs[4 * j4 + 2]);
+        put16(dst(vd, 4 * j4 + 3) + e0, _mm512_extracti32x4_epi32(x, 3), vs[4 * j4 + 3]);
+      }
+    return;
+  }
+#endif
+  for (int64_t off = 0; off < bs; ++off) {
+    T* ko = dst(kd, off);
+    T* vo = dst(vd, off);
+    for (int64_t e = 0; e < d; ++e) {
+      store(ko, e, static_cast<float>(kp[k_i8_at(blk, kv, off, e, kvh, d, bs)]) * ks[off]);
+      store(vo, e, static_cast<float>(vp[v_i8_at(blk, kv, off, e, kvh, d, bs)]) * vs[off]);
+    }
+  }
 }
 
 // paged_attention over an 8-bit pool: decodes in place (attend_decode_i8, where it is built for
@@ -1974,15 +2126,8 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
       AT_DISPATCH_CASE(at::kFloat, [&] {
         float* kd = kc.data_ptr<float>();
         float* vd = vc.data_ptr<float>();
-        at::parallel_for(0, static_cast<int64_t>(src.size()) * bs * kvh, 256, [&](int64_t a, int64_t b) {
-          for (int64_t i = a; i < b; ++i) {
-            const int64_t blk = src[i / (bs * kvh)], off = i / kvh % bs, kv = i % kvh;
-            const int64_t sc = (blk * kvh + kv) * bs + off;
-            for (int64_t e = 0; e < d; ++e) {
-              kd[i * d + e] = static_cast<float>(kp[k_i8_at(blk, kv, off, e, kvh, d, bs)]) * ksp[sc];
-              vd[i * d + e] = static_cast<float>(vp[v_i8_at(blk, kv, off, e, kvh, d, bs)]) * vsp[sc];
-            }
-          }
+        at::parallel_for(0, static_cast<int64_t>(src.size()) * kvh, 8, [&](int64_t a, int64_t b) {
+          for (int64_t i = a; i < b; ++i) dequant_kv_block<float>(kp, vp, ksp, vsp, src[i / kvh], i % kvh, kvh, d, bs, kd, vd, i / kvh);
         });
         paged_attention_dispatch<float>(q.data_ptr<float>(), kd, vd, qs, sp, rt, max_blocks, num_seqs, h, kvh, d, bs,
                                         static_cast<float>(scale), window, threads, out.data_ptr<float>(),
@@ -1990,15 +2135,9 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         at::BFloat16* kd = kc.data_ptr<at::BFloat16>();
         at::BFloat16* vd = vc.data_ptr<at::BFloat16>();
-        at::parallel_for(0, static_cast<int64_t>(src.size()) * bs * kvh, 256, [&](int64_t a, int64_t b) {
-          for (int64_t i = a; i < b; ++i) {
-            const int64_t blk = src[i / (bs * kvh)], off = i / kvh % bs, kv = i % kvh;
-            const int64_t sc = (blk * kvh + kv) * bs + off;
-            for (int64_t e = 0; e < d; ++e) {
-              store(kd, i * d + e, static_cast<float>(kp[k_i8_at(blk, kv, off, e, kvh, d, bs)]) * ksp[sc]);
-              store(vd, i * d + e, static_cast<float>(vp[v_i8_at(blk, kv, off, e, kvh, d, bs)]) * vsp[sc]);
-            }
-          }
+        at::parallel_for(0, static_cast<int64_t>(src.size()) * kvh, 8, [&](int64_t a, int64_t b) {
+          for (int64_t i = a; i < b; ++i)
+            dequant_kv_block<at::BFloat16>(kp, vp, ksp, vsp, src[i / kvh], i % kvh, kvh, d, bs, kd, vd, i / kvh);
         });
         paged_attention_dispatch<at::BFloat16>(q.data_ptr<at::BFloat16>(), kd, vd, qs, sp, rt, max_blocks, num_seqs,
                                                h, kvh, d, bs, static_cast<float>(scale), window, threads,
