@@ -1636,18 +1636,26 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
       // acc[r] += p[r][j] * v[j]: per row the probabilities times the value rows' scales rounded to
       // 8 bits against their largest in the block (u8, p' * 255 / max), four keys' a vpdpbusd
       // against sixteen values of those keys, the exact int32 sums rescaled once per block
-      alignas(64) uint8_t pu8[4][64];
+      static thread_local std::vector<uint8_t> pu8_store;
+      if (static_cast<int64_t>(pu8_store.size()) < 4 * (bs + 64)) pu8_store.resize(4 * (bs + 64));
       float pmax[4];
-      const __m512 vs0 = _mm512_loadu_ps(vsc), vs1 = _mm512_loadu_ps(vsc + 16);
       for (int64_t rb = r0; rb < r0 + group; rb += 4) {
         const int rn = static_cast<int>(std::min<int64_t>(4, r0 + group - rb));
         for (int r = 0; r < rn; ++r) {
           const float* sc = scores.data() + (rb + r) * bs;
-          const __m512 p0v = _mm512_mul_ps(_mm512_loadu_ps(sc), vs0), p1v = _mm512_mul_ps(_mm512_loadu_ps(sc + 16), vs1);
-          pmax[r] = _mm512_reduce_max_ps(_mm512_max_ps(p0v, p1v));
+          uint8_t* pu = pu8_store.data() + r * (bs + 64);
+          __m512 mx = _mm512_setzero_ps();
+          for (int64_t j0 = 0; j0 < bs; j0 += 16) {
+            const __mmask16 m = static_cast<__mmask16>(bs - j0 >= 16 ? 0xFFFF : (1u << (bs - j0)) - 1);
+            mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + j0), _mm512_maskz_loadu_ps(m, vsc + j0)));
+          }
+          pmax[r] = _mm512_reduce_max_ps(mx);
           const __m512 k = _mm512_set1_ps(pmax[r] > 0.f ? 255.f / pmax[r] : 0.f);
-          _mm_store_si128(reinterpret_cast<__m128i*>(pu8[r]), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(p0v, k))));
-          _mm_store_si128(reinterpret_cast<__m128i*>(pu8[r] + 16), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(p1v, k))));
+          for (int64_t j0 = 0; j0 < bs; j0 += 16) {
+            const __mmask16 m = static_cast<__mmask16>(bs - j0 >= 16 ? 0xFFFF : (1u << (bs - j0)) - 1);
+            const __m512 pv = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + j0), _mm512_maskz_loadu_ps(m, vsc + j0)), k);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(pu + j0), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(pv)));
+          }
         }
         __m512i ai[4][C];
         for (int r = 0; r < rn; ++r)
@@ -1659,7 +1667,7 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
           for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vq + 64 * c);
           for (int r = 0; r < rn; ++r) {
             int32_t w;
-            std::memcpy(&w, pu8[r] + 4 * j4, 4);
+            std::memcpy(&w, pu8_store.data() + r * (bs + 64) + 4 * j4, 4);
             const __m512i pw4 = _mm512_set1_epi32(w);
             for (int c = 0; c < C; ++c) ai[r][c] = _mm512_dpbusd_epi32(ai[r][c], pw4, vv[c]);
           }
