@@ -148,3 +148,31 @@ def test_the_stack_gives_the_closures_logits_over_an_int8_kv_cache(dtype, tmp_pa
     assert closures_calls == 0 and stack_calls > 0
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("kernels_name", ["native", "torch"])
+def test_an_int8_kv_cache_keeps_the_logits_close_on_both_backends(kernels_name, tmp_path):
+    """The whole model over an int8 pool, through random ragged schedules (decodes, fresh and
+    continuing chunks, GQA, head dim 64 so that the native decodes read the pool in place): its
+    logits stay near those over an fp32 pool, on the native kernels (paged attention) and on the
+    torch ops (SDPA over gathered, dequantized blocks). A wrong layout or scale moves them by far
+    more than the rounding does."""
+    from transformers import LlamaConfig
+
+    from .test_parity import random_checkpoint
+
+    cfg_hf = LlamaConfig(**{**TINY, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
+                         tie_word_embeddings=False)
+    random_checkpoint(cfg_hf, tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"), max_positions=256,
+                       kernels=kernels_name, quantization="none")
+    cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
+    assert cfg.head_dim == 64
+    gen = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (7, 40, 90)]
+    want = ragged_logits(model, cfg, sequences, block_size=8, seed=4, max_chunk=12)
+    got = ragged_logits(model, cfg, sequences, block_size=8, seed=4, max_chunk=12, kv_dtype="int8")
+    for g, w in zip(got, want):
+        scale = w.abs().max().item()
+        assert (g - w).abs().max().item() < 0.05 * scale, ((g - w).abs().max().item(), scale)
+        assert (g - w).abs().mean().item() < 0.01 * scale
