@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..config import PROMPT_ORDERS, SCHEDULERS
+from ..config import KV_CACHE_DTYPES, PROMPT_ORDERS, SCHEDULERS
 from ..errors import FastgenError
 from .machine import busy_cpus, cpu_name
 from .engine_target import EngineTarget, RunResult, engines, warm_up
@@ -122,6 +122,8 @@ def run_parser() -> argparse.ArgumentParser:
     t.add_argument("--prompt-order", choices=list(PROMPT_ORDERS), default=None,
                    help="in-process: the order waiting prompts are admitted in (default arrival)")
     t.add_argument("--num-blocks", type=int, default=None)
+    t.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                   help="in-process: the KV cache's storage (default auto: the model's dtype)")
     t.add_argument("--url", default=None, help="benchmark this OpenAI-compatible server instead")
     t.add_argument("--label", default=None,
                    help="series name for --url (default: the URL); in-process, added after each policy's name")
@@ -208,7 +210,8 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
                   meta: dict[str, Any]) -> Iterator[Series]:
     options = {k: v for k, v in {"dtype": args.dtype, "device": args.device, "budget_tokens": args.budget_tokens,
                                  "max_seqs": args.max_seqs, "num_blocks": args.num_blocks,
-                                 "prompt_order": args.prompt_order}.items() if v is not None}
+                                 "prompt_order": args.prompt_order, "kv_cache_dtype": args.kv_cache_dtype}.items()
+               if v is not None}
     requests: list[BenchRequest] | None = None
     caching = {"on": (True,), "off": (False,), "both": (True, False)}[args.prefix_caching]
     for policy, engine in engines(args.model, args.scheduler, options, caching):
@@ -219,7 +222,8 @@ def engine_series(args: argparse.Namespace, workload: Workload, points, sla: SLA
             meta.update(model=cfg.model_path, dtype=str(cfg.dtype), device=str(cfg.device),
                         num_threads=cfg.num_threads, budget_tokens=cfg.scheduler.budget_tokens,
                         max_seqs=cfg.scheduler.max_seqs, num_blocks=cfg.cache.num_blocks,
-                        block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len)
+                        block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len,
+                        kv_cache_dtype=cfg.kv_cache_dtype)
         warm_up(engine)
         target = EngineTarget(engine, salt_per_run=args.cache_salt,
                               trace=_trace_writer(args.trace_file, policy, len(args.scheduler) * len(caching)))
