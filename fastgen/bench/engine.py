@@ -50,7 +50,7 @@ from ..model.layers import weight_bytes
 from ..request import SamplingParams
 from .engine_report import (Goal, goals, plot_curve, print_chunk, print_curve, print_decode, print_goals,
                             print_machine, print_overhead, print_prefill)
-from .kernels import bench_attention, decode_step_breakdown, host_isa, old_vs_new_decode, print_kernels
+from .kernels import bench_attention, decode_step_breakdown, host_isa, kv_int8_decode, old_vs_new_decode, print_kernels
 from .machine import (MachineLimits, ModelCosts, PairedRates, busy_cpus, cpu_name, measure_machine, measure_matmul,
                       model_costs, prompt_roofline, warn_if_busy)
 from .overhead import HostOverhead, bench_overhead_parts, host_overhead
@@ -90,8 +90,8 @@ class RunMeta:
 
 @dataclass(frozen=True)
 class EngineBenchResults:
-    """One run's records; :meth:`to_json` is the ``--out`` file. ``attention``, ``decode_step_breakdown``
-    and ``old_vs_new_decode`` are kernels.py's JSON sections (``None``: not measured)."""
+    """One run's records; :meth:`to_json` is the ``--out`` file. ``attention``, ``decode_step_breakdown``,
+    ``old_vs_new_decode`` and ``kv_int8_decode`` are kernels.py's JSON sections (``None``: not measured)."""
 
     meta: RunMeta
     machine: MachineLimits
@@ -105,6 +105,7 @@ class EngineBenchResults:
     old_vs_new_decode: dict[str, Any] | None
     goals: tuple[Goal, ...]
     chunk: ChunkResult | None = None     # a 256-token chunk at position 1,792 (--quick: 64 at 192)
+    kv_int8_decode: dict[str, Any] | None = None   # 8 decodes at 1,300 keys over a pool of the model's dtype / int8
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -235,14 +236,15 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     attention = bench_attention(engine, matmul, machine.decode_bound_gbps, repeats=sizes.num_repeats)
     breakdown = decode_step_breakdown(engine)
     old_new = None if args.quick else old_vs_new_decode(engine)
-    print_kernels(attention, breakdown, old_new, matmul)
+    kv8 = None if args.quick else kv_int8_decode(engine)
+    print_kernels(attention, breakdown, old_new, matmul, kv8)
 
     verdicts = tuple(goals(prefill, bound, overhead, chunk))
     print_goals(list(verdicts))
     busy_after = busy_cpus()
     warn_if_busy(busy_after, "after the run")
     return EngineBenchResults(replace(meta, busy_cpus_after=busy_after), machine, prefill, tuple(decode), bound,
-                              curve, overhead, attention, breakdown, old_new, verdicts, chunk)
+                              curve, overhead, attention, breakdown, old_new, verdicts, chunk, kv8)
 
 
 def main(argv: list[str] | None = None) -> int:

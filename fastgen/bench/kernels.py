@@ -140,8 +140,38 @@ def old_vs_new_decode(engine, batch: int = 32, context: int = 4096, repeats: int
     return {"batch": batch, "context": context, "old_ms": old_ms, "new_ms": new_ms, "speedup": old_ms / new_ms}
 
 
+def kv_int8_decode(engine, batch: int = 8, context: int = 1300, repeats: int = 15) -> dict[str, Any] | None:
+    """One forward of ``batch`` decodes at ``context`` keys each (the paper's load's decode-only
+    steps: 8 clients at ~1,200 prompt tokens), over a pool of the model's dtype and over an int8
+    pool (``kv_cache_dtype="int8"``), alternating; blocks handed out in a scrambled order."""
+    import random
+
+    cfg, mc = engine.config, engine.model_config
+    if cfg.kernels != "native":
+        return None
+    bs = cfg.cache.block_size
+    nb = math.ceil(context / bs)
+    order = list(range(batch * nb))
+    random.Random(0).shuffle(order)
+    seqs = [SeqInput([7], context - 1, order[i * nb:(i + 1) * nb], 1) for i in range(batch)]
+    b = build_batch(seqs, bs, cfg.device)
+    pools = {kv: KVPool.for_model(mc, num_kv_heads=mc.num_kv_heads, num_blocks=batch * nb, block_size=bs,
+                                  dtype=cfg.dtype, device=cfg.device, kv_dtype=kv) for kv in ("auto", "int8")}
+    times: dict[str, list[float]] = {"auto": [], "int8": []}
+    for kv in pools:
+        engine.model(b, pools[kv])
+    for r in range(repeats):
+        for kv in (("auto", "int8") if r % 2 else ("int8", "auto")):
+            t0 = time.perf_counter()
+            engine.model(b, pools[kv])
+            times[kv].append((time.perf_counter() - t0) * 1e3)
+    ms = {kv: statistics.median(t) for kv, t in times.items()}
+    return {"batch": batch, "context": context, "kv_model_dtype_ms": ms["auto"], "kv_int8_ms": ms["int8"],
+            "ratio": ms["int8"] / ms["auto"]}
+
+
 def print_kernels(att: dict[str, Any], breakdown: dict[str, Any], old_new: dict[str, Any] | None,
-                  matmul_gflops: float) -> None:
+                  matmul_gflops: float, kv8: dict[str, Any] | None = None) -> None:
     print(f"\n6. Kernels (host ISA: {host_isa()})")
     print(f"   attention, one layer        backend   ms      GFLOP/s  of matmul ({matmul_gflops:.0f})  KV GB/s")
     for label, row in att.items():
@@ -157,3 +187,7 @@ def print_kernels(att: dict[str, Any], breakdown: dict[str, Any], old_new: dict[
     if old_new:
         print(f"   {old_new['batch']} decodes at {old_new['context']} keys, one forward: old path (torch ops, gather + "
               f"SDPA) {old_new['old_ms']:.1f} ms, new {old_new['new_ms']:.1f} ms: {old_new['speedup']:.2f}x")
+    if kv8:
+        print(f"   {kv8['batch']} decodes at {kv8['context']} keys, one forward: KV cache in the model's dtype "
+              f"{kv8['kv_model_dtype_ms']:.2f} ms, in int8 (kv_cache_dtype='int8') {kv8['kv_int8_ms']:.2f} ms: "
+              f"{kv8['ratio']:.2f}x the time")
