@@ -156,3 +156,19 @@ def test_the_option_is_validated_and_sizes_the_pool():
     with pytest.raises(InvalidRequestError, match="divisible by 4"):
         resolve_engine_config("m", EngineOptions(kv_cache_dtype="int8", kernels="torch"),
                               **{**args, "head_dim": 30})
+
+
+def test_bad_int8_pools_are_rejected_with_a_message():
+    q = torch.randn(1, 4, 64)
+    kq = torch.zeros(4, 8, 2, 64, dtype=torch.int8)
+    s = torch.zeros(4, 2, 8)
+    meta = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.fastgen.paged_attention_i8(q, kq, kq, s.transpose(1, 2).contiguous(), s, *meta)
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.fastgen.paged_attention_i8(q, kq.float(), kq.float(), s, s, *meta)
+    qkv = torch.randn(1, (4 + 2 * 2) * 64)
+    cos = sin = torch.ones(16, 64)
+    with pytest.raises(RuntimeError, match="heads or head dim"):
+        torch.ops.fastgen.rope_write_kv_i8(qkv, torch.tensor([0]), cos, sin, torch.tensor([0]), kq, kq, s, s, 4, 2, 32)
