@@ -172,18 +172,24 @@ def test_fused_small_ops_equal_the_torch_ops(dtype):
     torch.testing.assert_close(native.silu_mul(gu), ref.silu_mul(gu), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_kv_write_equal_the_torch_ops(dtype):
-    g = torch.Generator().manual_seed(4)
-    h, kvh, d, bs = 6, 2, 16, 4
-    pools = [KVPool(num_layers=1, num_blocks=8, block_size=bs, num_kv_heads=kvh, head_dim=d, dtype=dtype,
-                    device=torch.device("cpu")) for _ in range(2)]
+def rope_inputs(h: int, kvh: int, d: int, dtype: torch.dtype, seed: int = 4):
+    """Five tokens' fused QKV rows, their positions and slots (scattered over 8 blocks of 4 or
+    more), and RoPE tables of 32 positions: the inputs of rope_write_kv."""
+    g = torch.Generator().manual_seed(seed)
     pos = torch.tensor([3, 9, 10, 11, 0])
     slots = torch.tensor([13, 21, 24, 25, 2])
     qkv = torch.randn(5, (h + 2 * kvh) * d, generator=g).to(dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     emb = torch.cat([torch.outer(torch.arange(32).float(), inv)] * 2, dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    return qkv, pos, slots, emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_kv_write_equal_the_torch_ops(dtype):
+    h, kvh, d, bs = 6, 2, 16, 4
+    pools = [KVPool(num_layers=1, num_blocks=8, block_size=bs, num_kv_heads=kvh, head_dim=d, dtype=dtype,
+                    device=torch.device("cpu")) for _ in range(2)]
+    qkv, pos, slots, cos, sin = rope_inputs(h, kvh, d, dtype)
     got = NativeOps().rope_write_kv(qkv, pos, cos, sin, slots, pools[0], 0, h, kvh, d)
     want = TorchOps().rope_write_kv(qkv, pos, cos, sin, slots, pools[1], 0, h, kvh, d)
     for a, b in zip(got, want):

@@ -14,7 +14,7 @@ from fastgen.config import EngineOptions, resolve_engine_config
 from fastgen.errors import InvalidRequestError
 from fastgen.kernels.ops import NativeOps, TorchOps
 
-from .test_kernels import _reference_attention
+from .test_kernels import _reference_attention, _scrambled_pool, rope_inputs
 
 CPU = torch.device("cpu")
 
@@ -76,15 +76,9 @@ def test_the_pool_counts_its_scales_and_rejects_odd_shapes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_write_stores_the_same_bytes_as_the_torch_ops(dtype):
-    g = torch.Generator().manual_seed(4)
     h, kvh, d, bs = 6, 2, 64, 8
     pools = [_pool(8, bs, kvh, d, dtype) for _ in range(2)]
-    pos = torch.tensor([3, 9, 10, 11, 0])
-    slots = torch.tensor([13, 21, 24, 25, 2])
-    qkv = torch.randn(5, (h + 2 * kvh) * d, generator=g).to(dtype)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    emb = torch.cat([torch.outer(torch.arange(32).float(), inv)] * 2, dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    qkv, pos, slots, cos, sin = rope_inputs(h, kvh, d, dtype)
     got = NativeOps().rope_write_kv(qkv, pos, cos, sin, slots, pools[0], 0, h, kvh, d)
     want = TorchOps().rope_write_kv(qkv, pos, cos, sin, slots, pools[1], 0, h, kvh, d)
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -116,23 +110,11 @@ def test_paged_attention_over_an_int8_pool_matches_sdpa_on_its_values(data):
     specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=5))
     window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    need = [-(-(sp + nq) // bs) for sp, nq in specs]
-    num_blocks = sum(need) + 3
+    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, dtype, g, spare_blocks=3)
+    num_blocks = kp.shape[0]
     pool = _pool(num_blocks, bs, kvh, d, dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, off = [], 0
-    for n in need:
-        tables.append(perm[off:off + n])
-        off += n
-    slots = torch.arange(num_blocks * bs)
-    pool.write(0, slots, torch.randn(len(slots), kvh, d, generator=g), torch.randn(len(slots), kvh, d, generator=g))
+    pool.write(0, torch.arange(num_blocks * bs), kp.float().reshape(-1, kvh, d), vp.float().reshape(-1, kvh, d))
     kd, vd = (t.view(num_blocks, bs, kvh, d) for t in pool.gather(0, torch.arange(num_blocks).view(1, -1)))
-    q_starts = [0]
-    for _, nq in specs:
-        q_starts.append(q_starts[-1] + nq)
-    q = torch.randn(q_starts[-1], kvh * group, d, generator=g).to(dtype)
-    width = max(need)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     got = torch.ops.fastgen.paged_attention_i8(
         q, pool.keys[0], pool.values[0], pool.key_scales[0], pool.value_scales[0],
         torch.tensor(q_starts, dtype=torch.int32), torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,

@@ -1284,6 +1284,24 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
 }
 #endif
 
+// A decode item's keys: the first visible one (a sliding window's start, else 0) and its key
+// split's blocks [b0, b1) of the sequence at position p0
+struct DecodeSplit {
+  int64_t visible_from, b0, b1;
+};
+inline DecodeSplit decode_split(const Item& item, int64_t p0, int64_t bs, int64_t window) {
+  const int64_t visible_from = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+  const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
+  return {visible_from, fb + (nblk - fb) * item.part / item.num_parts, fb + (nblk - fb) * (item.part + 1) / item.num_parts};
+}
+// a decode item's accumulators cleared ([h][d] values, (max, sum) per head) and its scores' room
+inline void start_decode_item(int64_t h, int64_t d, int64_t bs, std::vector<float>& acc, std::vector<Partial>& ml,
+                              std::vector<float>& scores) {
+  acc.assign(h * d, 0.f);
+  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  if (static_cast<int64_t>(scores.size()) < h * bs + 16) scores.resize(h * bs + 16);
+}
+
 template <typename T, int64_t DC, bool Spread>
 void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
                          const int32_t* start_pos, const int32_t* tables, int64_t max_blocks, int64_t h,
@@ -1293,13 +1311,8 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
   constexpr int64_t d = DC;
   constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
   const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
-  const int64_t visible_from = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-  const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
-  const int64_t b0 = fb + (nblk - fb) * item.part / item.num_parts;
-  const int64_t b1 = fb + (nblk - fb) * (item.part + 1) / item.num_parts;
-  acc.assign(h * d, 0.f);
-  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (static_cast<int64_t>(scores.size()) < h * bs + 16) scores.resize(h * bs + 16);
+  const auto [visible_from, b0, b1] = decode_split(item, p0, bs, window);
+  start_decode_item(h, d, bs, acc, ml, scores);
   const int64_t half = (bs + 1) / 2;
   if (static_cast<int64_t>(pw.size()) < h * half) pw.resize(h * half);
   if (static_cast<int64_t>(vf.size()) < bs * d) vf.resize(bs * d);
@@ -1543,13 +1556,8 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
                       std::vector<Partial>& ml, std::vector<float>& scores) {
   constexpr int64_t d = DC, W = DC / 4;   // W: 32-bit words of a query
   const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
-  const int64_t visible_from = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-  const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
-  const int64_t b0 = fb + (nblk - fb) * item.part / item.num_parts;
-  const int64_t b1 = fb + (nblk - fb) * (item.part + 1) / item.num_parts;
-  acc.assign(h * d, 0.f);
-  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (static_cast<int64_t>(scores.size()) < h * bs + 16) scores.resize(h * bs + 16);
+  const auto [visible_from, b0, b1] = decode_split(item, p0, bs, window);
+  start_decode_item(h, d, bs, acc, ml, scores);
   // the queries in int8 (qi [h][W] words), per head its scale times the softmax's and 128 * sum
   static thread_local std::vector<int32_t> qi;
   static thread_local std::vector<float> qsc, qcorr;
@@ -1919,19 +1927,26 @@ void paged_attention_dispatch(const T* q, const T* kpool, const T* vpool, const 
                                bs, scale, window, threads, out, i8);
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                           const at::Tensor& q_starts, const at::Tensor& start_pos,
-                           const at::Tensor& block_tables, double scale, int64_t window) {
+// the checks both paged attention ops make of the step's tensors (k_pool: [blocks, bs, kvh, d])
+void check_paged_args(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& q_starts,
+                      const at::Tensor& start_pos, const at::Tensor& block_tables, int64_t window) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be [T, H, D] contiguous");
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type());
   TORCH_CHECK(q_starts.scalar_type() == at::kInt && start_pos.scalar_type() == at::kInt &&
               block_tables.scalar_type() == at::kInt && block_tables.is_contiguous());
   const int64_t num_seqs = start_pos.size(0);
   TORCH_CHECK(q_starts.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
+  TORCH_CHECK(k_pool.size(3) == q.size(2) && q.size(1) % k_pool.size(2) == 0);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& q_starts, const at::Tensor& start_pos,
+                           const at::Tensor& block_tables, double scale, int64_t window) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type());
+  check_paged_args(q, k_pool, q_starts, start_pos, block_tables, window);
+  const int64_t num_seqs = start_pos.size(0);
   const int64_t h = q.size(1), d = q.size(2), bs = k_pool.size(1), kvh = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == d && h % kvh == 0);
   at::Tensor out = at::empty_like(q);
   const int64_t threads = at::get_num_threads();
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
@@ -2009,35 +2024,25 @@ std::vector<at::Tensor> rope_write_kv_i8(const at::Tensor& qkv, const at::Tensor
   int8_t* vp = v_pool.data_ptr<int8_t>();
   float* ksp = k_scales.data_ptr<float>();
   float* vsp = v_scales.data_ptr<float>();
+  auto write = [&](auto tag) {   // the rotated k and the raw v rows, rounded into the pool's layouts
+    using T = decltype(tag);
+    const T* kx = kt.data_ptr<T>();
+    const T* vx = vt.data_ptr<T>();
+    at::parallel_for(0, tokens * kvh, 64, [&](int64_t a, int64_t b) {
+      alignas(64) int8_t kq[1024];
+      for (int64_t i = a; i < b; ++i) {
+        const int64_t blk = sl[i / kvh] / bs, off = sl[i / kvh] % bs, kv = i % kvh;
+        quantize_kv_row(kx + i * d, d, kq, ksp + (blk * kvh + kv) * bs + off);
+        for (int64_t e = 0; e < d; e += 4) std::memcpy(kp + k_i8_at(blk, kv, off, e, kvh, d, bs), kq + e, 4);
+        quantize_kv_row(vx + i * d, d, kq, vsp + (blk * kvh + kv) * bs + off);
+        int8_t* vdst = vp + v_i8_at(blk, kv, off, 0, kvh, d, bs);
+        for (int64_t e = 0; e < d; ++e) vdst[4 * e] = kq[e];
+      }
+    });
+  };
   AT_DISPATCH_SWITCH(qkv.scalar_type(), "rope_write_kv_i8",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        const float* kx = kt.data_ptr<float>();
-        const float* vx = vt.data_ptr<float>();
-        at::parallel_for(0, tokens * kvh, 64, [&](int64_t a, int64_t b) {
-          alignas(64) int8_t kq[1024];
-          for (int64_t i = a; i < b; ++i) {
-            const int64_t blk = sl[i / kvh] / bs, off = sl[i / kvh] % bs, kv = i % kvh;
-            quantize_kv_row(kx + i * d, d, kq, ksp + (blk * kvh + kv) * bs + off);
-            for (int64_t e = 0; e < d; e += 4) std::memcpy(kp + k_i8_at(blk, kv, off, e, kvh, d, bs), kq + e, 4);
-            quantize_kv_row(vx + i * d, d, kq, vsp + (blk * kvh + kv) * bs + off);
-            int8_t* vdst = vp + v_i8_at(blk, kv, off, 0, kvh, d, bs);
-            for (int64_t e = 0; e < d; ++e) vdst[4 * e] = kq[e];
-          }
-        }); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        const at::BFloat16* kx = kt.data_ptr<at::BFloat16>();
-        const at::BFloat16* vx = vt.data_ptr<at::BFloat16>();
-        at::parallel_for(0, tokens * kvh, 64, [&](int64_t a, int64_t b) {
-          alignas(64) int8_t kq[1024];
-          for (int64_t i = a; i < b; ++i) {
-            const int64_t blk = sl[i / kvh] / bs, off = sl[i / kvh] % bs, kv = i % kvh;
-            quantize_kv_row(kx + i * d, d, kq, ksp + (blk * kvh + kv) * bs + off);
-            for (int64_t e = 0; e < d; e += 4) std::memcpy(kp + k_i8_at(blk, kv, off, e, kvh, d, bs), kq + e, 4);
-            quantize_kv_row(vx + i * d, d, kq, vsp + (blk * kvh + kv) * bs + off);
-            int8_t* vdst = vp + v_i8_at(blk, kv, off, 0, kvh, d, bs);
-            for (int64_t e = 0; e < d; ++e) vdst[4 * e] = kq[e];
-          }
-        }); }));
+      AT_DISPATCH_CASE(at::kFloat, [&] { write(float{}); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { write(at::BFloat16{}); }));
   return qk;
 }
 
@@ -2103,16 +2108,11 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
                               const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& q_starts,
                               const at::Tensor& start_pos, const at::Tensor& block_tables, double scale,
                               int64_t window) {
-  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be [T, H, D] contiguous");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be fp32 or bf16");
   check_kv_i8(k_pool, v_pool, k_scales, v_scales);
-  TORCH_CHECK(q_starts.scalar_type() == at::kInt && start_pos.scalar_type() == at::kInt &&
-              block_tables.scalar_type() == at::kInt && block_tables.is_contiguous());
+  check_paged_args(q, k_pool, q_starts, start_pos, block_tables, window);
   const int64_t num_seqs = start_pos.size(0);
-  TORCH_CHECK(q_starts.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
   const int64_t h = q.size(1), d = q.size(2), bs = k_pool.size(1), kvh = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == d && h % kvh == 0);
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* qs = q_starts.data_ptr<int32_t>();
   const int32_t* sp = start_pos.data_ptr<int32_t>();
@@ -2140,26 +2140,19 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
   const float* vsp = v_scales.data_ptr<float>();
   const KvI8 info{kp, vp, ksp, vsp, tables};
   const int64_t threads = at::get_num_threads();
+  auto attend = [&](auto tag) {   // the copy's blocks, then the kernels over the copy and the pool
+    using T = decltype(tag);
+    T* kd = kc.data_ptr<T>();
+    T* vd = vc.data_ptr<T>();
+    at::parallel_for(0, static_cast<int64_t>(src.size()) * kvh, 8, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) dequant_kv_block<T>(kp, vp, ksp, vsp, src[i / kvh], i % kvh, kvh, d, bs, kd, vd, i / kvh);
+    });
+    paged_attention_dispatch<T>(q.data_ptr<T>(), kd, vd, qs, sp, rt, max_blocks, num_seqs, h, kvh, d, bs,
+                                static_cast<float>(scale), window, threads, out.data_ptr<T>(), in_place ? &info : nullptr);
+  };
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention_i8",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        float* kd = kc.data_ptr<float>();
-        float* vd = vc.data_ptr<float>();
-        at::parallel_for(0, static_cast<int64_t>(src.size()) * kvh, 8, [&](int64_t a, int64_t b) {
-          for (int64_t i = a; i < b; ++i) dequant_kv_block<float>(kp, vp, ksp, vsp, src[i / kvh], i % kvh, kvh, d, bs, kd, vd, i / kvh);
-        });
-        paged_attention_dispatch<float>(q.data_ptr<float>(), kd, vd, qs, sp, rt, max_blocks, num_seqs, h, kvh, d, bs,
-                                        static_cast<float>(scale), window, threads, out.data_ptr<float>(),
-                                        in_place ? &info : nullptr); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        at::BFloat16* kd = kc.data_ptr<at::BFloat16>();
-        at::BFloat16* vd = vc.data_ptr<at::BFloat16>();
-        at::parallel_for(0, static_cast<int64_t>(src.size()) * kvh, 8, [&](int64_t a, int64_t b) {
-          for (int64_t i = a; i < b; ++i)
-            dequant_kv_block<at::BFloat16>(kp, vp, ksp, vsp, src[i / kvh], i % kvh, kvh, d, bs, kd, vd, i / kvh);
-        });
-        paged_attention_dispatch<at::BFloat16>(q.data_ptr<at::BFloat16>(), kd, vd, qs, sp, rt, max_blocks, num_seqs,
-                                               h, kvh, d, bs, static_cast<float>(scale), window, threads,
-                                               out.data_ptr<at::BFloat16>(), in_place ? &info : nullptr); }));
+      AT_DISPATCH_CASE(at::kFloat, [&] { attend(float{}); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { attend(at::BFloat16{}); }));
   return out;
 }
 
