@@ -258,18 +258,15 @@ def resolve_engine_config(model_path: str, options: EngineOptions, *, kv_elems_p
     dtype = resolve_dtype(options.dtype, device)
     num_threads = options.num_threads or int(os.environ.get("FASTGEN_NUM_THREADS", 0)) \
         or len(os.sched_getaffinity(0))
+    from .cache.pool import int8_layout_error, token_bytes
+
     if options.kv_cache_dtype == "int8":
-        if head_dim % 4 or options.block_size % 4:
-            raise InvalidRequestError(f"kv_cache_dtype='int8' needs a head dim and block_size divisible by 4, got "
-                                      f"{head_dim} and {options.block_size}", param="kv_cache_dtype")
+        if error := int8_layout_error(head_dim, options.block_size):
+            raise InvalidRequestError(error, param="kv_cache_dtype")
         if device.type == "cuda" and options.cuda_graphs:
             raise InvalidRequestError("kv_cache_dtype='int8' runs eagerly on a GPU: pass cuda_graphs=False "
                                       "(--no-cuda-graphs) with it", param="kv_cache_dtype")
-        # a byte a value, and an fp32 scale a (token, KV head) row of head_dim values
-        bytes_per_block = (kv_elems_per_token + kv_elems_per_token // head_dim * 4) * options.block_size
-    else:
-        elem_size = torch.empty((), dtype=dtype).element_size()
-        bytes_per_block = kv_elems_per_token * elem_size * options.block_size
+    bytes_per_block = token_bytes(kv_elems_per_token, head_dim, dtype, options.kv_cache_dtype) * options.block_size
     num_blocks = options.num_blocks or max(1, options.kv_cache_bytes // bytes_per_block)
     max_model_len = min(options.max_model_len or model_max_len, model_max_len)
     reserve = options.reserve_blocks if options.reserve_blocks is not None \

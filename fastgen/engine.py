@@ -115,16 +115,17 @@ class Engine:
         self.events = EventLog()          # per-step records and request lifecycle events (telemetry.py)
         self.generation_defaults = None   # GenerationDefaults of the model's files, set by from_pretrained
 
-    def new_pool(self, num_blocks: int) -> KVPool:
+    def new_pool(self, num_blocks: int, kv_dtype: str | None = None) -> KVPool:
         """A KV pool of ``num_blocks`` shaped for this engine's model (its layers, the KV heads this
         rank holds, head dim, dtype, device, block size): the engine's own, or a private one for
-        direct forwards (evaluation, benchmarks) that leaves the engine's blocks alone."""
+        direct forwards (evaluation, benchmarks) that leaves the engine's blocks alone; ``kv_dtype``
+        another storage than the engine's ``kv_cache_dtype`` (a benchmark's comparison)."""
         mc, cfg = self.model_config, self.config
         # a spare block for the padding rows of CUDA-graphed steps (fastgen/model/cuda_graphs.py)
         spare = 1 if getattr(self.model, "uses_cuda_graphs", False) else 0
         return KVPool.for_model(mc, num_kv_heads=local_kv_heads(self.model, mc), num_blocks=num_blocks,
                                 block_size=cfg.cache.block_size, dtype=cfg.dtype, device=cfg.device,
-                                spare_blocks=spare, kv_dtype=cfg.kv_cache_dtype)
+                                spare_blocks=spare, kv_dtype=kv_dtype or cfg.kv_cache_dtype)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> "Engine":

@@ -146,7 +146,7 @@ def kv_int8_decode(engine, batch: int = 8, context: int = 1300, repeats: int = 1
     pool (``kv_cache_dtype="int8"``), alternating; blocks handed out in a scrambled order."""
     import random
 
-    cfg, mc = engine.config, engine.model_config
+    cfg = engine.config
     if cfg.kernels != "native":
         return None
     bs = cfg.cache.block_size
@@ -155,8 +155,7 @@ def kv_int8_decode(engine, batch: int = 8, context: int = 1300, repeats: int = 1
     random.Random(0).shuffle(order)
     seqs = [SeqInput([7], context - 1, order[i * nb:(i + 1) * nb], 1) for i in range(batch)]
     b = build_batch(seqs, bs, cfg.device)
-    pools = {kv: KVPool.for_model(mc, num_kv_heads=mc.num_kv_heads, num_blocks=batch * nb, block_size=bs,
-                                  dtype=cfg.dtype, device=cfg.device, kv_dtype=kv) for kv in ("auto", "int8")}
+    pools = {kv: engine.new_pool(batch * nb, kv_dtype=kv) for kv in ("auto", "int8")}
     times: dict[str, list[float]] = {"auto": [], "int8": []}
     for kv in pools:
         engine.model(b, pools[kv])

@@ -19,7 +19,24 @@ from __future__ import annotations
 
 import torch
 
-KV_DTYPES = ("auto", "int8")
+from ..config import KV_CACHE_DTYPES
+
+
+def int8_layout_error(head_dim: int, block_size: int) -> str | None:
+    """Why an int8 pool cannot take this head dim and block size (its layouts group values and keys
+    by four), or None."""
+    if head_dim <= 0 or head_dim % 4 or block_size % 4:
+        return (f"kv_cache_dtype='int8' needs a head dim and block_size divisible by 4, got {head_dim} and "
+                f"{block_size}")
+    return None
+
+
+def token_bytes(kv_elems_per_token: int, head_dim: int, dtype: torch.dtype, kv_dtype: str) -> int:
+    """Bytes a token takes in a pool: its keys' and values' elements in ``dtype``, or with
+    ``kv_dtype="int8"`` a byte each and an fp32 scale per row of ``head_dim``."""
+    if kv_dtype == "int8":
+        return kv_elems_per_token + kv_elems_per_token // head_dim * 4
+    return kv_elems_per_token * torch.empty((), dtype=dtype).element_size()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,12 +58,11 @@ class KVPool:
         the padding rows of a CUDA-graphed decode step write their keys and values
         (fastgen/model/cuda_graphs.py). ``dtype``: the model's; ``kv_dtype``: "auto" (the pool
         holds ``dtype``) or "int8" (see the module)."""
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_CACHE_DTYPES}, got {kv_dtype!r}")
         self.quantized = kv_dtype == "int8"
-        if self.quantized and (head_dim % 4 or block_size % 4):
-            raise ValueError(f"an int8 KV cache needs head_dim and block_size divisible by 4, got {head_dim} "
-                             f"and {block_size}")
+        if self.quantized and (error := int8_layout_error(head_dim, block_size)):
+            raise ValueError(error)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.spare_blocks = spare_blocks
@@ -56,11 +72,10 @@ class KVPool:
         store = torch.int8 if self.quantized else dtype
         self.keys = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        scales = (n, num_kv_heads, block_size) if self.quantized else (0,)
-        self.key_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in range(num_layers)] \
-            if self.quantized else []
-        self.value_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in range(num_layers)] \
-            if self.quantized else []
+        scales = (n, num_kv_heads, block_size)
+        layers = range(num_layers) if self.quantized else ()   # the scales: an int8 pool's only
+        self.key_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in layers]
+        self.value_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in layers]
 
     @property
     def spare_slot(self) -> int | None:

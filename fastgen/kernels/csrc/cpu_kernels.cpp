@@ -274,7 +274,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // ---------------------------------------------------------------------------------------
 // RoPE (rotate-half convention) of q and k from the fused QKV output, written as
 // q [T, H, D] and k [T, KVH, D] (new tensors); rotated k and raw v are stored into the pool
-// at `slots`. cos/sin: [max_positions, D] fp32 tables (halves equal), scaling folded in.
+// at `slots` (not where kpool is null: the 8-bit pool rounds them itself, rope_write_kv_i8).
+// cos/sin: [max_positions, D] fp32 tables (halves equal), scaling folded in.
 template <typename T>
 void rope_rows(const T* qkv, const int64_t* pos, const float* cos, const float* sin,
                const int64_t* slots, T* q_out, T* k_out, T* kpool, T* vpool, int64_t tokens,
@@ -285,8 +286,7 @@ void rope_rows(const T* qkv, const int64_t* pos, const float* cos, const float* 
       const T* row = qkv + t * width;
       const float* c = cos + pos[t] * d;
       const float* s = sin + pos[t] * d;
-      T* kdst = kpool + slots[t] * kvh * d;
-      T* vdst = vpool + slots[t] * kvh * d;
+      T* kdst = kpool != nullptr ? kpool + slots[t] * kvh * d : nullptr;
       for (int64_t head = 0; head < h + kvh; ++head) {
         const T* x = row + head * d;
         T* dst = head < h ? q_out + (t * h + head) * d : k_out + (t * kvh + head - h) * d;
@@ -301,20 +301,26 @@ void rope_rows(const T* qkv, const int64_t* pos, const float* cos, const float* 
           store(dst, i, ac - bs);
           store(dst, i + half, bc + as);
         }
-        if (head >= h) std::memcpy(kdst + (head - h) * d, dst, d * sizeof(T));
+        if (head >= h && kdst != nullptr) std::memcpy(kdst + (head - h) * d, dst, d * sizeof(T));
       }
-      std::memcpy(vdst, row + (h + kvh) * d, kvh * d * sizeof(T));
+      if (vpool != nullptr) std::memcpy(vpool + slots[t] * kvh * d, row + (h + kvh) * d, kvh * d * sizeof(T));
     }
   });
+}
+
+// the checks both rope ops make of the step's tensors
+void check_rope_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& slots, int64_t h, int64_t kvh, int64_t d) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * kvh) * d, "qkv must be [T, (H + 2 KVH) * D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == d);
 }
 
 std::vector<at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions,
                                       const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& slots, at::Tensor& k_pool, at::Tensor& v_pool,
                                       int64_t h, int64_t kvh, int64_t d) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * kvh) * d, "qkv must be [T, (H + 2 KVH) * D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == d);
+  check_rope_args(qkv, positions, cos, sin, slots, h, kvh, d);
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == qkv.scalar_type());
   at::Tensor x = qkv.contiguous();
   const int64_t tokens = x.size(0);
@@ -1294,12 +1300,10 @@ inline DecodeSplit decode_split(const Item& item, int64_t p0, int64_t bs, int64_
   const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
   return {visible_from, fb + (nblk - fb) * item.part / item.num_parts, fb + (nblk - fb) * (item.part + 1) / item.num_parts};
 }
-// a decode item's accumulators cleared ([h][d] values, (max, sum) per head) and its scores' room
-inline void start_decode_item(int64_t h, int64_t d, int64_t bs, std::vector<float>& acc, std::vector<Partial>& ml,
-                              std::vector<float>& scores) {
+// a decode item's accumulators cleared: [h][d] values, (max, sum) per head
+inline void start_decode_item(int64_t h, int64_t d, std::vector<float>& acc, std::vector<Partial>& ml) {
   acc.assign(h * d, 0.f);
   ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (static_cast<int64_t>(scores.size()) < h * bs + 16) scores.resize(h * bs + 16);
 }
 
 template <typename T, int64_t DC, bool Spread>
@@ -1312,7 +1316,8 @@ void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* 
   constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
   const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
   const auto [visible_from, b0, b1] = decode_split(item, p0, bs, window);
-  start_decode_item(h, d, bs, acc, ml, scores);
+  start_decode_item(h, d, acc, ml);
+  if (static_cast<int64_t>(scores.size()) < h * bs + 16) scores.resize(h * bs + 16);
   const int64_t half = (bs + 1) / 2;
   if (static_cast<int64_t>(pw.size()) < h * half) pw.resize(h * half);
   if (static_cast<int64_t>(vf.size()) < bs * d) vf.resize(bs * d);
@@ -1477,29 +1482,34 @@ constexpr bool kHaveDecodeI8 = true;
 template <int64_t DC>
 constexpr bool decode_i8_built() { return DC > 0 && DC % 64 == 0; }
 
-// A block of 32 keys of one KV head against its R query rows (attend_decode_i8's block size 32
-// path): scores, online softmax, and P.V in registers. Keys outside [from, n) take no part.
+// Up to 32 keys of one KV head (keys [from, n) of them take part, n <= 32) against its R query
+// rows: scores, online softmax, and P.V in registers. kb: the first key's word 0 in the K layout
+// (word w of the keys bs * 4 bytes further each); vb: their first four keys in the V layout; ksc,
+// vsc: their scales. Only the n keys are read.
 template <int64_t DC, int R>
-inline void i8_block32(const int8_t* kb, const int8_t* vb, const float* ksc, const float* vsc, const int32_t* qi,
-                       const float* qsc, const float* qcorr, int64_t from, int64_t n, Partial* ml, float* acc) {
-  constexpr int64_t W = DC / 4, bs = 32;
+inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const float* ksc, const float* vsc,
+                      const int32_t* qi, const float* qsc, const float* qcorr, int64_t from, int64_t n, Partial* ml,
+                      float* acc) {
+  constexpr int64_t W = DC / 4;
   constexpr int C = static_cast<int>(DC / 16);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint32_t have = static_cast<uint32_t>(n >= 32 ? 0xFFFFFFFFull : (1ull << n) - 1);
+  const __mmask16 h0 = static_cast<__mmask16>(have & 0xFFFF), h1 = static_cast<__mmask16>(have >> 16);
   __m512i dot[R][2];
   for (int r = 0; r < R; ++r) dot[r][0] = _mm512_setzero_si512(), dot[r][1] = _mm512_setzero_si512();
-  for (int64_t w = 0; w < W; ++w) {   // values 4w .. 4w + 3 of the 32 keys
-    const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(kb + w * bs * 4), flip);
-    const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512(kb + w * bs * 4 + 64), flip);
+  for (int64_t w = 0; w < W; ++w) {   // values 4w .. 4w + 3 of the keys (a key's four bytes a lane)
+    const __m512i k0 = _mm512_xor_si512(_mm512_maskz_loadu_epi32(h0, kb + w * bs * 4), flip);
+    const __m512i k1 = _mm512_xor_si512(_mm512_maskz_loadu_epi32(h1, kb + w * bs * 4 + 64), flip);
     for (int r = 0; r < R; ++r) {
       const __m512i qv = _mm512_set1_epi32(qi[r * W + w]);
       dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], k0, qv);
       dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], k1, qv);
     }
   }
-  const uint32_t live = static_cast<uint32_t>(((n >= 32 ? 0xFFFFFFFFull : ((1ull << n) - 1)) >> from) << from);
+  const uint32_t live = (have >> from) << from;
   const __mmask16 m0 = static_cast<__mmask16>(live & 0xFFFF), m1 = static_cast<__mmask16>(live >> 16);
-  const __m512 ks0 = _mm512_loadu_ps(ksc), ks1 = _mm512_loadu_ps(ksc + 16);
-  const __m512 vs0 = _mm512_loadu_ps(vsc), vs1 = _mm512_loadu_ps(vsc + 16);
+  const __m512 ks0 = _mm512_maskz_loadu_ps(h0, ksc), ks1 = _mm512_maskz_loadu_ps(h1, ksc + 16);
+  const __m512 vs0 = _mm512_maskz_loadu_ps(h0, vsc), vs1 = _mm512_maskz_loadu_ps(h1, vsc + 16);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) uint32_t pw[R][8];
   float pmax[R];
@@ -1547,17 +1557,18 @@ inline void i8_block32(const int8_t* kb, const int8_t* vb, const float* ksc, con
 // One decode item (a key split of one sequence, all heads) over the 8-bit pool. Each head's
 // query is rounded to int8 with its own scale, as the keys are; a score is the exact integer dot
 // product of the two (vpdpbusd on the keys taken as unsigned q + 128, with 128 * sum(query) taken
-// back) times both scales. The probabilities times each value row's scale then multiply its int8
-// values widened to fp32 (FMAs). acc [h][DC] and ml [h] as attend_decode_heads leaves them.
+// back) times both scales. The probabilities times each value row's scale are rounded to 8 bits
+// against their largest in the piece and multiply the int8 values by vpdpbusd too (i8_keys32).
+// acc [h][DC] and ml [h] as attend_decode_heads leaves them.
 template <typename T, int64_t DC>
 void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32_t* q_starts,
                       const int32_t* start_pos, int64_t max_blocks, int64_t h, int64_t kvh, int64_t bs,
                       float scale, int64_t window, bool prefetch, std::vector<float>& acc,
-                      std::vector<Partial>& ml, std::vector<float>& scores) {
+                      std::vector<Partial>& ml) {
   constexpr int64_t d = DC, W = DC / 4;   // W: 32-bit words of a query
   const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
   const auto [visible_from, b0, b1] = decode_split(item, p0, bs, window);
-  start_decode_item(h, d, bs, acc, ml, scores);
+  start_decode_item(h, d, acc, ml);
   // the queries in int8 (qi [h][W] words), per head its scale times the softmax's and 128 * sum
   static thread_local std::vector<int32_t> qi;
   static thread_local std::vector<float> qsc, qcorr;
@@ -1577,9 +1588,6 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
     qcorr[r] = 128.f * static_cast<float>(sum);
   }
   const int32_t* table = kv8.tables + s * max_blocks;
-  const int64_t row = kvh * d;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  constexpr int C = static_cast<int>(DC / 16);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
     const int64_t from = std::max<int64_t>(0, visible_from - first_key);
@@ -1605,86 +1613,22 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
       const int8_t* vb = kv8.v + (blk * kvh + kv) * bs * d;
       const float* ksc = kv8.ks + (blk * kvh + kv) * bs;
       const float* vsc = kv8.vs + (blk * kvh + kv) * bs;
-      const int64_t r0 = kv * group;
-      if (bs == 32 && group <= 4) {
-        const int32_t* qr = qi.data() + r0 * W;
-        Partial* mr = ml.data() + r0;
-        float* ar = acc.data() + r0 * d;
-        switch (group) {
-          case 1: i8_block32<DC, 1>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
-          case 2: i8_block32<DC, 2>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
-          case 3: i8_block32<DC, 3>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
-          default: i8_block32<DC, 4>(kb, vb, ksc, vsc, qr, qsc.data() + r0, qcorr.data() + r0, from, n, mr, ar); break;
-        }
-        continue;
-      }
-      for (int64_t rb = r0; rb < r0 + group; rb += 4) {
-        const int rn = static_cast<int>(std::min<int64_t>(4, r0 + group - rb));
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {
-          const int64_t cnt = std::min<int64_t>(16, n - j0);
-          __m512i dot[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                            _mm512_setzero_si512()};
-          for (int64_t w = 0; w < W; ++w) {   // values 4w .. 4w + 3 of sixteen keys
-            const __m512i kw = _mm512_xor_si512(_mm512_loadu_si512(kb + (w * bs + j0) * 4), flip);
-            for (int r = 0; r < rn; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], kw, _mm512_set1_epi32(qi[(rb + r) * W + w]));
+      // the block in pieces of 32 keys, the group's rows four at a time (SmolLM2: one piece, 3 rows)
+      for (int64_t j0 = 0; j0 < n; j0 += 32) {
+        const int64_t pf = std::max<int64_t>(0, from - j0), pn = std::min<int64_t>(32, n - j0);
+        if (pn <= pf) continue;
+        for (int64_t rb = kv * group; rb < (kv + 1) * group; rb += 4) {
+          auto piece = [&](auto rows) {
+            i8_keys32<DC, decltype(rows)::value>(kb + j0 * 4, bs, vb + j0 * d, ksc + j0, vsc + j0, qi.data() + rb * W,
+                                                 qsc.data() + rb, qcorr.data() + rb, pf, pn, ml.data() + rb,
+                                                 acc.data() + rb * d);
+          };
+          switch (std::min<int64_t>(4, (kv + 1) * group - rb)) {
+            case 1: piece(std::integral_constant<int, 1>{}); break;
+            case 2: piece(std::integral_constant<int, 2>{}); break;
+            case 3: piece(std::integral_constant<int, 3>{}); break;
+            default: piece(std::integral_constant<int, 4>{}); break;
           }
-          const __mmask16 m = static_cast<__mmask16>((1u << cnt) - 1);
-          const __m512 ks = _mm512_maskz_loadu_ps(m, ksc + j0);
-          for (int r = 0; r < rn; ++r) {   // |dot| <= 255 * 127 * DC: exact in fp32
-            const __m512 dv = _mm512_sub_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(qcorr[rb + r]));
-            _mm512_mask_storeu_ps(scores.data() + (rb + r) * bs + j0, m,
-                                  _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(qsc[rb + r])), ks));
-          }
-        }
-      }
-      for (int64_t r = r0; r < r0 + group; ++r) {
-        float* sc = scores.data() + r * bs;
-        softmax_update(ml[r], acc.data() + r * d, d, sc, bs, from, n);
-      }
-      // acc[r] += p[r][j] * v[j]: per row the probabilities times the value rows' scales rounded to
-      // 8 bits against their largest in the block (u8, p' * 255 / max), four keys' a vpdpbusd
-      // against sixteen values of those keys, the exact int32 sums rescaled once per block
-      static thread_local std::vector<uint8_t> pu8_store;
-      if (static_cast<int64_t>(pu8_store.size()) < 4 * (bs + 64)) pu8_store.resize(4 * (bs + 64));
-      float pmax[4];
-      for (int64_t rb = r0; rb < r0 + group; rb += 4) {
-        const int rn = static_cast<int>(std::min<int64_t>(4, r0 + group - rb));
-        for (int r = 0; r < rn; ++r) {
-          const float* sc = scores.data() + (rb + r) * bs;
-          uint8_t* pu = pu8_store.data() + r * (bs + 64);
-          __m512 mx = _mm512_setzero_ps();
-          for (int64_t j0 = 0; j0 < bs; j0 += 16) {
-            const __mmask16 m = static_cast<__mmask16>(bs - j0 >= 16 ? 0xFFFF : (1u << (bs - j0)) - 1);
-            mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + j0), _mm512_maskz_loadu_ps(m, vsc + j0)));
-          }
-          pmax[r] = _mm512_reduce_max_ps(mx);
-          const __m512 k = _mm512_set1_ps(pmax[r] > 0.f ? 255.f / pmax[r] : 0.f);
-          for (int64_t j0 = 0; j0 < bs; j0 += 16) {
-            const __mmask16 m = static_cast<__mmask16>(bs - j0 >= 16 ? 0xFFFF : (1u << (bs - j0)) - 1);
-            const __m512 pv = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + j0), _mm512_maskz_loadu_ps(m, vsc + j0)), k);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(pu + j0), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(pv)));
-          }
-        }
-        __m512i ai[4][C];
-        for (int r = 0; r < rn; ++r)
-          for (int c = 0; c < C; ++c) ai[r][c] = _mm512_setzero_si512();
-        const int64_t q0 = from / 4, q1 = (n + 3) / 4;
-        for (int64_t j4 = q0; j4 < q1; ++j4) {
-          const int8_t* vq = vb + j4 * d * 4;
-          __m512i vv[C];
-          for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vq + 64 * c);
-          for (int r = 0; r < rn; ++r) {
-            int32_t w;
-            std::memcpy(&w, pu8_store.data() + r * (bs + 64) + 4 * j4, 4);
-            const __m512i pw4 = _mm512_set1_epi32(w);
-            for (int c = 0; c < C; ++c) ai[r][c] = _mm512_dpbusd_epi32(ai[r][c], pw4, vv[c]);
-          }
-        }
-        for (int r = 0; r < rn; ++r) {
-          const __m512 f = _mm512_set1_ps(pmax[r] / 255.f);
-          float* ar = acc.data() + (rb + r) * d;
-          for (int c = 0; c < C; ++c)
-            _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]), f, _mm512_loadu_ps(ar + 16 * c)));
         }
       }
     }
@@ -1696,8 +1640,7 @@ template <int64_t DC>
 constexpr bool decode_i8_built() { return false; }
 template <typename T, int64_t DC>
 void attend_decode_i8(const Item&, const T*, const KvI8&, const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
-                      int64_t, float, int64_t, bool, std::vector<float>&, std::vector<Partial>&,
-                      std::vector<float>&) {}
+                      int64_t, float, int64_t, bool, std::vector<float>&, std::vector<Partial>&) {}
 #endif
 
 template <typename T, int64_t DC>
@@ -1834,7 +1777,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
           // several decodes stream their blocks from memory: the next one prefetched; one alone, its
           // keys in cache: without
           attend_decode_i8<T, DC>(item, q, *i8, q_starts, start_pos, max_blocks, h, kvh, bs, scale, window,
-                                  num_decodes > 1, acc, ml, scores);
+                                  num_decodes > 1, acc, ml);
       } else if (all_heads) {
         if constexpr (decode_heads_built<T, DC>()) {
           // several decodes: their pools stream from memory, so the spread prefetches; one alone
@@ -2013,28 +1956,30 @@ std::vector<at::Tensor> rope_write_kv_i8(const at::Tensor& qkv, const at::Tensor
   check_kv_i8(k_pool, v_pool, k_scales, v_scales);
   TORCH_CHECK(k_pool.size(2) == kvh && k_pool.size(3) == d && d % 4 == 0 && d <= 1024 && k_pool.size(1) % 4 == 0,
               "the KV pool's heads or head dim differ from the layer's");
-  const int64_t tokens = qkv.size(0);
-  // rotated k and raw v rows first (rope_write_kv into a pool of the step's own tokens), then rounded
-  at::Tensor kt = at::empty({tokens, kvh, d}, qkv.options()), vt = at::empty({tokens, kvh, d}, qkv.options());
-  at::Tensor own = at::arange(tokens, slots.options());
-  std::vector<at::Tensor> qk = rope_write_kv(qkv, positions, cos, sin, own, kt, vt, h, kvh, d);
+  check_rope_args(qkv, positions, cos, sin, slots, h, kvh, d);
+  at::Tensor x = qkv.contiguous();
+  const int64_t tokens = x.size(0), width = (h + 2 * kvh) * d;
+  at::Tensor q = at::empty({tokens, h, d}, x.options());
+  at::Tensor k = at::empty({tokens, kvh, d}, x.options());
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t bs = k_pool.size(1);
   int8_t* kp = k_pool.data_ptr<int8_t>();
   int8_t* vp = v_pool.data_ptr<int8_t>();
   float* ksp = k_scales.data_ptr<float>();
   float* vsp = v_scales.data_ptr<float>();
-  auto write = [&](auto tag) {   // the rotated k and the raw v rows, rounded into the pool's layouts
+  auto write = [&](auto tag) {   // q and k rotated, then the rotated k and the raw v rounded into the pool's layouts
     using T = decltype(tag);
-    const T* kx = kt.data_ptr<T>();
-    const T* vx = vt.data_ptr<T>();
+    rope_rows<T>(x.data_ptr<T>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), sl,
+                 q.data_ptr<T>(), k.data_ptr<T>(), nullptr, nullptr, tokens, h, kvh, d);
+    const T* kx = k.data_ptr<T>();
+    const T* vx = x.data_ptr<T>() + (h + kvh) * d;
     at::parallel_for(0, tokens * kvh, 64, [&](int64_t a, int64_t b) {
       alignas(64) int8_t kq[1024];
       for (int64_t i = a; i < b; ++i) {
         const int64_t blk = sl[i / kvh] / bs, off = sl[i / kvh] % bs, kv = i % kvh;
         quantize_kv_row(kx + i * d, d, kq, ksp + (blk * kvh + kv) * bs + off);
         for (int64_t e = 0; e < d; e += 4) std::memcpy(kp + k_i8_at(blk, kv, off, e, kvh, d, bs), kq + e, 4);
-        quantize_kv_row(vx + i * d, d, kq, vsp + (blk * kvh + kv) * bs + off);
+        quantize_kv_row(vx + (i / kvh) * width + kv * d, d, kq, vsp + (blk * kvh + kv) * bs + off);
         int8_t* vdst = vp + v_i8_at(blk, kv, off, 0, kvh, d, bs);
         for (int64_t e = 0; e < d; ++e) vdst[4 * e] = kq[e];
       }
@@ -2043,7 +1988,7 @@ std::vector<at::Tensor> rope_write_kv_i8(const at::Tensor& qkv, const at::Tensor
   AT_DISPATCH_SWITCH(qkv.scalar_type(), "rope_write_kv_i8",
       AT_DISPATCH_CASE(at::kFloat, [&] { write(float{}); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] { write(at::BFloat16{}); }));
-  return qk;
+  return {q, k};
 }
 
 // KV head kv of block blk of an 8-bit pool, dequantized into block `to` of a pool of T
@@ -2119,8 +2064,8 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const bool in_place = kHaveDecodeI8 && (d == 64 || d == 128) && decode_kernel_enabled();
   // the blocks to dequantize: (sequence, block) -> a slot of the copy, in the remapped tables
-  at::Tensor remapped = at::zeros_like(block_tables);
-  int32_t* rt = remapped.data_ptr<int32_t>();
+  std::vector<int32_t> remapped(num_seqs * max_blocks, 0);
+  int32_t* rt = remapped.data();
   std::vector<int32_t> src;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t nq = qs[s + 1] - qs[s];
@@ -2131,8 +2076,10 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
       src.push_back(tables[s * max_blocks + b]);
     }
   }
-  const int64_t copies = std::max<int64_t>(1, static_cast<int64_t>(src.size()));
-  at::Tensor kc = at::empty({copies, bs, kvh, d}, q.options()), vc = at::empty({copies, bs, kvh, d}, q.options());
+  // the copy (none in a step of decodes only: the kernels then read no pool of q's dtype)
+  const int64_t copies = static_cast<int64_t>(src.size());
+  at::Tensor kc, vc;
+  if (copies > 0) kc = at::empty({copies, bs, kvh, d}, q.options()), vc = at::empty({copies, bs, kvh, d}, q.options());
   at::Tensor out = at::empty_like(q);
   const int8_t* kp = k_pool.data_ptr<int8_t>();
   const int8_t* vp = v_pool.data_ptr<int8_t>();
@@ -2142,11 +2089,13 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
   const int64_t threads = at::get_num_threads();
   auto attend = [&](auto tag) {   // the copy's blocks, then the kernels over the copy and the pool
     using T = decltype(tag);
-    T* kd = kc.data_ptr<T>();
-    T* vd = vc.data_ptr<T>();
-    at::parallel_for(0, static_cast<int64_t>(src.size()) * kvh, 8, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i) dequant_kv_block<T>(kp, vp, ksp, vsp, src[i / kvh], i % kvh, kvh, d, bs, kd, vd, i / kvh);
-    });
+    T* kd = copies > 0 ? kc.data_ptr<T>() : nullptr;
+    T* vd = copies > 0 ? vc.data_ptr<T>() : nullptr;
+    if (copies > 0)
+      at::parallel_for(0, copies * kvh, 8, [&](int64_t a, int64_t b) {
+        for (int64_t i = a; i < b; ++i)
+          dequant_kv_block<T>(kp, vp, ksp, vsp, src[i / kvh], i % kvh, kvh, d, bs, kd, vd, i / kvh);
+      });
     paged_attention_dispatch<T>(q.data_ptr<T>(), kd, vd, qs, sp, rt, max_blocks, num_seqs, h, kvh, d, bs,
                                 static_cast<float>(scale), window, threads, out.data_ptr<T>(), in_place ? &info : nullptr);
   };
