@@ -73,7 +73,7 @@ def test_paged_attention_matches_sdpa_on_scrambled_blocks(data):
     kvh = data.draw(st.sampled_from([1, 2, 3]))
     group = data.draw(st.sampled_from([1, 2, 3, 4, 5]))   # query heads per KV head: 1-4 take the decode
     # path's register softmax over the group together, 5 the one-row update
-    d = data.draw(st.sampled_from([16, 64, 80]))          # 80: the generic (non-unrolled) head dim
+    d = data.draw(st.sampled_from([16, 64, 80, 256]))     # 80: the generic (non-unrolled) head dim; 256: Gemma 3
     bs = data.draw(st.sampled_from([4, 16, 32]))
     specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), min_size=1, max_size=6))
     window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))   # 0: no sliding window

@@ -1536,21 +1536,30 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
     _mm_store_si128(reinterpret_cast<__m128i*>(pw[r]), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(q0, k))));
     _mm_store_si128(reinterpret_cast<__m128i*>(pw[r] + 4), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(q1, k))));
   }
-  __m512i ai[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) ai[r][c] = _mm512_setzero_si512();
-  for (int64_t j4 = from / 4; j4 < (n + 3) / 4; ++j4) {   // four keys' probabilities against 16 values of them
-    __m512i vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vb + j4 * DC * 4 + 64 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m512i pv = _mm512_set1_epi32(static_cast<int>(pw[r][j4]));
-      for (int c = 0; c < C; ++c) ai[r][c] = _mm512_dpbusd_epi32(ai[r][c], pv, vv[c]);
+  // P.V in passes of CH vectors of the head dim, so that the passes' int32 sums and the values
+  // they load stay in registers (R x CH <= 16): one pass for head dims 64 (and 128 at up to two
+  // rows), several for 256 (Gemma 3). Each sum is exact, so the passes give the same output.
+  constexpr int CH = (R * C <= 16) ? C : (16 / R >= 8 ? 8 : 16 / R >= 4 ? 4 : 16 / R >= 2 ? 2 : 1);
+  static_assert(C % CH == 0, "the head dim's vectors split into whole passes");
+  for (int c0 = 0; c0 < C; c0 += CH) {
+    __m512i ai[R][CH];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CH; ++c) ai[r][c] = _mm512_setzero_si512();
+    for (int64_t j4 = from / 4; j4 < (n + 3) / 4; ++j4) {   // four keys' probabilities against 16 values of them
+      __m512i vv[CH];
+      for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_si512(vb + j4 * DC * 4 + 64 * (c0 + c));
+      for (int r = 0; r < R; ++r) {
+        const __m512i pv = _mm512_set1_epi32(static_cast<int>(pw[r][j4]));
+        for (int c = 0; c < CH; ++c) ai[r][c] = _mm512_dpbusd_epi32(ai[r][c], pv, vv[c]);
+      }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m512 f = _mm512_set1_ps(pmax[r] / 255.f);
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(acc + r * DC + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]), f, _mm512_loadu_ps(acc + r * DC + 16 * c)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 f = _mm512_set1_ps(pmax[r] / 255.f);
+      for (int c = 0; c < CH; ++c) {
+        float* a = acc + r * DC + 16 * (c0 + c);
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]), f, _mm512_loadu_ps(a)));
+      }
+    }
   }
 }
 
@@ -1865,6 +1874,9 @@ void paged_attention_dispatch(const T* q, const T* kpool, const T* vpool, const 
   else if (d == 128)
     paged_attention_impl<T, 128>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
                                  bs, scale, window, threads, out, i8);
+  else if (d == 256)   // Gemma 3
+    paged_attention_impl<T, 256>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
+                                 bs, scale, window, threads, out, i8);
   else
     paged_attention_impl<T, 0>(q, kpool, vpool, q_starts, start_pos, tables, max_blocks, num_seqs, h, kvh, d,
                                bs, scale, window, threads, out, i8);
@@ -2062,7 +2074,7 @@ at::Tensor paged_attention_i8(const at::Tensor& q, const at::Tensor& k_pool, con
   const int32_t* qs = q_starts.data_ptr<int32_t>();
   const int32_t* sp = start_pos.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const bool in_place = kHaveDecodeI8 && (d == 64 || d == 128) && decode_kernel_enabled();
+  const bool in_place = kHaveDecodeI8 && (d == 64 || d == 128 || d == 256) && decode_kernel_enabled();
   // the blocks to dequantize: (sequence, block) -> a slot of the copy, in the remapped tables
   std::vector<int32_t> remapped(num_seqs * max_blocks, 0);
   int32_t* rt = remapped.data();
