@@ -258,24 +258,29 @@ def test_int8_activation_gemm_rows_do_not_depend_on_the_block_kernel(bits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("k", [576, 1536, 96, 160, 224])   # 4-group quads and a last pair and/or a last group
-def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, k):
-    """qgemv with int8 x against 4-bit rows (qrows4_a8) rounds x as qgemm_a8 does and sums the
-    same terms: decode rows and prompt rows differ by the sums' order only, each a decode's
-    output is the same in any batch, and the reference is x's rounding times the exact weights."""
+def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, bits, k):
+    """qgemv with int8 x against 4-bit rows (qrows4_a8) or 8-bit rows (qrows8_a8: the weights
+    made unsigned, 128 * sum(x) taken back) rounds x as qgemm_a8 does and sums the same terms:
+    decode rows and prompt rows differ by the sums' order only, each a decode's output is the
+    same in any batch (one row alone takes two W rows at a time), and the reference is x's
+    rounding times the exact weights."""
     _skip_without_int8()
-    g = torch.Generator().manual_seed(k)
-    q = QuantWeight(quantize(torch.randn(75, k, generator=g), 4), None).quant
+    if bits not in torch.ops.fastgen.a8_kinds():
+        pytest.skip(f"no int8 kernel for {bits}-bit rows on this host")
+    g = torch.Generator().manual_seed(k + bits)
+    q = QuantWeight(quantize(torch.randn(75, k, generator=g), bits), None).quant
     x = torch.randn(7, k, generator=g).to(dtype)
     x[2, 32:64] = 0                            # a group of zeros
-    got = torch.ops.fastgen.qgemv(x, q.qweight, q.scales, q.mins, 4, True)
-    prompt = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, 4)
+    got = torch.ops.fastgen.qgemv(x, q.qweight, q.scales, q.mins, bits, True)
+    prompt = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, bits)
     want = _int8_per_group(x) @ q.dequantize().T
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
     assert ((got.float() - prompt.float()).abs().max() / want.abs().max()).item() < tol
     for r in range(7):
-        alone = torch.ops.fastgen.qgemv(x[r:r + 1], q.qweight, q.scales, q.mins, 4, True)
+        alone = torch.ops.fastgen.qgemv(x[r:r + 1], q.qweight, q.scales, q.mins, bits, True)
         assert torch.equal(alone[0], got[r])
 
 

@@ -2645,6 +2645,97 @@ __attribute__((always_inline)) inline void qrows4_a8(const uint8_t* wr, int64_t 
   }
 }
 
+// int8 x (quantize_x_pairs: 8-bit rows keep x in plain order) against 8-bit W rows (q, one fp16
+// scale a group, no minima) with vpdpbusd, as qrows4_a8 does 4-bit rows: WN consecutive W rows
+// against RN rows of x, totals [WN][RN] of sum_g s[g] dx[g] * dot(q, xq). The weights are made
+// unsigned by one XOR (q + 128) against x's signed bytes, and the 128 * sum(xq) this adds is taken
+// back once per row through dsum (dx * sum(xq) a group), 16 groups a vector. Per quad of groups
+// (128 weight bytes) and (W row, x row): two vpdpbusd, two conversions and two FMAs by the lanes'
+// s * dx, against qrow_vnni's per pair (64 bytes) the weights' own sums (a vpdpbusd and a shift),
+// x's XOR, a subtraction, a product and a permute besides. Each (W row, x row) takes the same
+// operations in the same order whatever WN and RN are: a decode's output does not depend on its batch.
+template <int WN, int RN>
+__attribute__((always_inline)) inline void qrows8_a8(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc,
+                                                     const int8_t* const* xq, const float* const* dx,
+                                                     const float* const* dsum, int64_t groups, float* totals) {
+  __m512 acc[WN][RN];
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w)
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) acc[w][r] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // a pair of groups' lanes: 0-7 the first group's 32 bytes, 8-15 the second's
+  const __m512i lo2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i hi2 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  const int64_t quads = groups / 4, pair = (groups % 4) / 2, single = groups % 2;
+  for (int64_t q = 0; q < quads; ++q) {
+    __m128 dx4[RN];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) dx4[r] = _mm_loadu_ps(dx[r] + 4 * q);
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const uint8_t* b = wr + w * row_bytes + q * 128;
+      const __m512i b0 = _mm512_xor_si512(_mm512_loadu_si512(b), flip), b1 = _mm512_xor_si512(_mm512_loadu_si512(b + 64), flip);
+      const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + w * groups + 4 * q)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b0, _mm512_loadu_si512(xq[r] + q * 128));
+        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b1, _mm512_loadu_si512(xq[r] + q * 128 + 64));
+        const __m512 sd = _mm512_castps128_ps512(_mm_mul_ps(s4, dx4[r]));
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(lo2, sd), acc[w][r]);
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(hi2, sd), acc[w][r]);
+      }
+    }
+  }
+  int64_t g = quads * 4;
+  if (pair) {   // two groups: 64 weight bytes
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m512i b0 = _mm512_xor_si512(_mm512_loadu_si512(wr + w * row_bytes + g * 32), flip);
+      uint32_t sbits;   // two fp16
+      std::memcpy(&sbits, sc + w * groups + g, 4);
+      const __m128 s2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b0, _mm512_loadu_si512(xq[r] + g * 32));
+        const __m512 sd = _mm512_castps128_ps512(_mm_mul_ps(s2, _mm_maskz_loadu_ps(0x3, dx[r] + g)));
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(lo2, sd), acc[w][r]);
+      }
+    }
+    g += 2;
+  }
+  if (single) {   // one group: 32 weight bytes, 8 lanes
+    const __m256i flip8 = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m256i b0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + g * 32)), flip8);
+      const float s1 = half_to_float(sc[w * groups + g]);
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), b0,
+                                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g * 32)));
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(s1 * dx[r][g]));
+        acc[w][r] = _mm512_add_ps(acc[w][r], _mm512_zextps256_ps512(t));
+      }
+    }
+  }
+  // the XOR's 128 * sum(xq): sum_g 128 s[g] * dsum[g], 16 groups a vector, taken back
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w) {
+    __m512 accm[RN];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) accm[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const __mmask16 mask = groups - g0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g0)) - 1);
+      const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(-128.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, sc + w * groups + g0)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) accm[r] = _mm512_fmadd_ps(sv, _mm512_maskz_loadu_ps(mask, dsum[r] + g0), accm[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) totals[w * RN + r] = sum16(_mm512_add_ps(acc[w][r], accm[r]));
+  }
+}
+
 constexpr bool kHaveA8Quads = true;
 #else
 constexpr bool kHaveA8Quads = false;
@@ -2877,6 +2968,8 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   // AVX2 hosts: int8 x against 4-bit rows through vpmaddubsw (qrows4_a8_avx2)
   const bool a8_avx2 = act_int8 && kHaveA8Avx2 && kind == 4;
   const bool a8_rows = a8_quads || a8_avx2;   // the kernels that sum the rounded x (dsum)
+  // int8 x against 8-bit rows without minima: qrows8_a8 (qrow_vnni for rows with minima)
+  const bool a8_eight = vnni && kind == 8 && kHaveA8Quads && mins_h == nullptr;
   // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel but
   // the int8 quads (which sum the rounded x, dsum) takes x's group sums (for the minima)
   std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(a8_rows ? 0 : m * groups, 0.f);
@@ -2896,7 +2989,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   }
 #endif
   std::vector<int8_t> xq(vnni || a8_avx2 ? m * (k + 64) : 0);
-  std::vector<float> dx(vnni || a8_avx2 ? m * groups : 0), dsum(a8_rows ? m * groups : 0);
+  std::vector<float> dx(vnni || a8_avx2 ? m * groups : 0), dsum(a8_rows || a8_eight ? m * groups : 0);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   for (int64_t r = 0; a8_avx2 && r < m; ++r)
     quantize_x_pairs_avx2(xf.data() + r * k, k, xq.data() + r * (k + 64), dx.data() + r * groups,
@@ -2910,6 +3003,13 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   for (int64_t r = 0; vnni && !a8_quads && r < m; ++r)
     quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups);
+  for (int64_t r = 0; a8_eight && r < m; ++r)   // 8-bit rows: x in plain order, dsum = dx * sum(xq) a group
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* xg = xq.data() + r * (k + 64) + g * 32;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) sum += xg[i];
+      dsum[r * groups + g] = dx[r * groups + g] * static_cast<float>(sum);
+    }
 #endif
   const NextRows* next = g_next_rows.exchange(nullptr, std::memory_order_relaxed);
   static const bool next_on = [] { const char* v = std::getenv("FASTGEN_NEXT_ROWS_PREFETCH"); return !(v && v[0] == '0'); }();
@@ -2986,6 +3086,39 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
           by_rows(rn, [&](auto rows) {
             qrows4_a8_avx2<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs,
                                                      dxs, dss, groups, totals);
+          });
+          for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
+        }
+      }
+      return;
+    }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (a8_eight) {   // as the quads' loop above, with qrows8_a8
+      const int8_t* xqs[4];
+      const float *dxs[4], *dss[4];
+      if (m == 1) {
+        constexpr int WN = 2;
+        xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
+        for (; o + WN <= n1; o += WN) {
+          const uint8_t* wr = qw + o * row_bytes;
+          for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
+          float totals[WN];
+          qrows8_a8<WN, 1>(wr, row_bytes, scales_h + o * groups, xqs, dxs, dss, groups, totals);
+          for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
+        }
+      }
+      for (; o < n1; ++o) {
+        const uint8_t* wr = qw + o * row_bytes;
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+          const int64_t rn = std::min<int64_t>(4, m - r0);
+          float totals[4];
+          for (int64_t r = 0; r < rn; ++r)
+            xqs[r] = xq.data() + (r0 + r) * (k + 64), dxs[r] = dx.data() + (r0 + r) * groups,
+            dss[r] = dsum.data() + (r0 + r) * groups;
+          by_rows(rn, [&](auto rows) {
+            qrows8_a8<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, xqs, dxs, dss, groups, totals);
           });
           for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
         }
