@@ -359,6 +359,17 @@ struct Partial {
   float m, l;
 };
 
+// The prompt chunks' keys and values for the AMX tiles are laid out in chunks of kAmxKeys keys
+// (below). Defined on every host: paged_attention_impl addresses the layout whether or not the
+// tiles are built (until 12-05's sixth session these sat inside the AMX block, and hosts
+// without AMX could not build the kernels at all).
+// 128 keys a chunk: 1.15-1.2x the rate of 64 (per-row reductions and the accumulators' tile loads
+// and stores spread over twice the keys; 256 queries at 1,792 keys: 502 -> 574 GFLOP/s; 256 keys
+// measured level, 12-05)
+constexpr int64_t kAmxKeys = 128;
+
+inline int64_t amx_chunk_words(int64_t d) { return kAmxKeys * d; }   // kw + vw, 32-bit words
+
 constexpr int64_t kQueryTile = 32;
 constexpr int64_t kManyRows = 8;
 
@@ -1100,11 +1111,6 @@ struct DecodePrefetch {
 // probabilities rounded to bf16 pairs, an unmoved maximum leaving the row as it is), and the
 // tiles O += P . V into the fp32 accumulators, loaded and stored by tile around it (2 x 16 rows
 // by 2 x 16 values of d).
-// 128 keys a chunk: 1.15-1.2x the rate of 64 (per-row reductions and the accumulators' tile loads
-// and stores spread over twice the keys; 256 queries at 1,792 keys: 502 -> 574 GFLOP/s)
-constexpr int64_t kAmxKeys = 128;
-
-inline int64_t amx_chunk_words(int64_t d) { return kAmxKeys * d; }   // kw + vw, 32-bit words
 
 // chunk c of sequence s, kv head kv (keys k0 .. k0 + kAmxKeys - 1 of num_keys) -> dst
 inline void amx_pack_chunk(const at::BFloat16* kpool, const at::BFloat16* vpool, const int32_t* table, int64_t bs,
@@ -2542,6 +2548,30 @@ inline float sum16(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(z, _mm_shuffle_ps(z, z, 1)));
 }
 
+// The int8 row kernels' per-group terms and totals: for each (W row w, x row r), sum_g f h[g] dsum[g]
+// (h: fp16 a group, W rows `groups` apart; f = 1, or -128 where Neg128) 16 groups a vector, added
+// to acc[w][r] and reduced once in sum16's fixed order into totals [WN][RN]. qrows4_a8 adds its
+// minima' terms so, qrows8_a8 takes back the 128 * sum(xq) of its unsigned weights.
+template <int WN, int RN, bool Neg128>
+__attribute__((always_inline)) inline void add_group_terms(const uint16_t* h, const float* const* dsum, int64_t groups,
+                                                           __m512 (&acc)[WN][RN], float* totals) {
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w) {
+    __m512 accm[RN];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) accm[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const __mmask16 mask = groups - g0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g0)) - 1);
+      __m512 hv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, h + w * groups + g0));
+      if constexpr (Neg128) hv = _mm512_mul_ps(_mm512_set1_ps(-128.f), hv);
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) accm[r] = _mm512_fmadd_ps(hv, _mm512_maskz_loadu_ps(mask, dsum[r] + g0), accm[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) totals[w * RN + r] = sum16(_mm512_add_ps(acc[w][r], accm[r]));
+  }
+}
+
 // int8 x (quantize_x_quads) against 4-bit W rows with vpdpbusd: WN consecutive W rows (row_bytes
 // apart, their fp16 scales and minima `groups` apart) against RN rows of x, totals [WN][RN] of
 //   sum_g  s[g] dx[g] * dot(q, xq)  +  m[g] * dsum[g],
@@ -2628,21 +2658,8 @@ __attribute__((always_inline)) inline void qrows4_a8(const uint8_t* wr, int64_t 
       }
     }
   }
-  // the minima: sum_g m[g] * dsum[g], 16 groups a vector
-#pragma GCC unroll 4
-  for (int w = 0; w < WN; ++w) {
-    __m512 accm[RN];
-#pragma GCC unroll 4
-    for (int r = 0; r < RN; ++r) accm[r] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const __mmask16 mask = groups - g0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g0)) - 1);
-      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mn + w * groups + g0));
-#pragma GCC unroll 4
-      for (int r = 0; r < RN; ++r) accm[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, dsum[r] + g0), accm[r]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < RN; ++r) totals[w * RN + r] = sum16(_mm512_add_ps(acc[w][r], accm[r]));
-  }
+  // the minima: sum_g m[g] * dsum[g]
+  add_group_terms<WN, RN, false>(mn, dsum, groups, acc, totals);
 }
 
 // int8 x (quantize_x_pairs: 8-bit rows keep x in plain order) against 8-bit W rows (q, one fp16
@@ -2719,21 +2736,8 @@ __attribute__((always_inline)) inline void qrows8_a8(const uint8_t* wr, int64_t 
       }
     }
   }
-  // the XOR's 128 * sum(xq): sum_g 128 s[g] * dsum[g], 16 groups a vector, taken back
-#pragma GCC unroll 4
-  for (int w = 0; w < WN; ++w) {
-    __m512 accm[RN];
-#pragma GCC unroll 4
-    for (int r = 0; r < RN; ++r) accm[r] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const __mmask16 mask = groups - g0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g0)) - 1);
-      const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(-128.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, sc + w * groups + g0)));
-#pragma GCC unroll 4
-      for (int r = 0; r < RN; ++r) accm[r] = _mm512_fmadd_ps(sv, _mm512_maskz_loadu_ps(mask, dsum[r] + g0), accm[r]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < RN; ++r) totals[w * RN + r] = sum16(_mm512_add_ps(acc[w][r], accm[r]));
-  }
+  // the XOR's 128 * sum(xq) taken back: sum_g -128 s[g] * dsum[g]
+  add_group_terms<WN, RN, true>(sc, dsum, groups, acc, totals);
 }
 
 constexpr bool kHaveA8Quads = true;
@@ -3024,77 +3028,11 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     float* sc = row_scales.data();
     float* mn = mins_h != nullptr && !fp16_rows ? sc + groups : nullptr;
     int64_t o = n0;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    if (a8_quads) {
-      const int8_t* xqs[4];
-      const float *dxs[4], *dss[4];
-      if (m == 1) {   // one decode: two W rows at a time (x's loads shared by them)
-        constexpr int WN = 2;
-        xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
-        for (; o + WN <= n1; o += WN) {
-          const uint8_t* wr = qw + o * row_bytes;
-          for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
-          float totals[WN];
-          qrows4_a8<WN, 1>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs, dss, groups, totals);
-          for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
-        }
-      }
-      for (; o < n1; ++o) {
-        const uint8_t* wr = qw + o * row_bytes;
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
-        for (int64_t r0 = 0; r0 < m; r0 += 4) {
-          const int64_t rn = std::min<int64_t>(4, m - r0);
-          float totals[4];
-          for (int64_t r = 0; r < rn; ++r)
-            xqs[r] = xq.data() + (r0 + r) * (k + 64), dxs[r] = dx.data() + (r0 + r) * groups,
-            dss[r] = dsum.data() + (r0 + r) * groups;
-          by_rows(rn, [&](auto rows) {
-            qrows4_a8<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs,
-                                                dss, groups, totals);
-          });
-          for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
-        }
-      }
-      return;
-    }
-#endif
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (a8_avx2) {   // as the quads' loop above, with qrows4_a8_avx2
-      const int8_t* xqs[4];
-      const float *dxs[4], *dss[4];
-      if (m == 1) {   // one decode: two W rows at a time (x's loads shared by them)
-        constexpr int WN = 2;
-        xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
-        for (; o + WN <= n1; o += WN) {
-          const uint8_t* wr = qw + o * row_bytes;
-          for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
-          float totals[WN];
-          qrows4_a8_avx2<WN, 1>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs, dxs, dss, groups,
-                                totals);
-          for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
-        }
-      }
-      for (; o < n1; ++o) {
-        const uint8_t* wr = qw + o * row_bytes;
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off);
-        for (int64_t r0 = 0; r0 < m; r0 += 4) {
-          const int64_t rn = std::min<int64_t>(4, m - r0);
-          float totals[4];
-          for (int64_t r = 0; r < rn; ++r)
-            xqs[r] = xq.data() + (r0 + r) * (k + 64), dxs[r] = dx.data() + (r0 + r) * groups,
-            dss[r] = dsum.data() + (r0 + r) * groups;
-          by_rows(rn, [&](auto rows) {
-            qrows4_a8_avx2<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, mins_h + o * groups, xqs,
-                                                     dxs, dss, groups, totals);
-          });
-          for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
-        }
-      }
-      return;
-    }
-#endif
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    if (a8_eight) {   // as the quads' loop above, with qrows8_a8
+    // the int8 row kernels' loop: one decode takes two W rows at a time (x's loads shared by them),
+    // else each W row meets x's rows four at a time. kernel(wn, rn, W rows, their first index,
+    // x's rows, their scales, their sums, totals [wn][rn]); every (W row, x row) takes the same
+    // operations either way
+    auto a8_loop = [&](auto kernel) {
       const int8_t* xqs[4];
       const float *dxs[4], *dss[4];
       if (m == 1) {
@@ -3104,7 +3042,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
           const uint8_t* wr = qw + o * row_bytes;
           for (int64_t off = 0; off < WN * row_bytes; off += 64) __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
           float totals[WN];
-          qrows8_a8<WN, 1>(wr, row_bytes, scales_h + o * groups, xqs, dxs, dss, groups, totals);
+          kernel(std::integral_constant<int, WN>{}, std::integral_constant<int, 1>{}, wr, o, xqs, dxs, dss, totals);
           for (int w = 0; w < WN; ++w) store(y, o + w, totals[w]);
         }
       }
@@ -3117,12 +3055,37 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
           for (int64_t r = 0; r < rn; ++r)
             xqs[r] = xq.data() + (r0 + r) * (k + 64), dxs[r] = dx.data() + (r0 + r) * groups,
             dss[r] = dsum.data() + (r0 + r) * groups;
-          by_rows(rn, [&](auto rows) {
-            qrows8_a8<1, decltype(rows)::value>(wr, row_bytes, scales_h + o * groups, xqs, dxs, dss, groups, totals);
-          });
+          by_rows(rn, [&](auto rows) { kernel(std::integral_constant<int, 1>{}, rows, wr, o, xqs, dxs, dss, totals); });
           for (int64_t r = 0; r < rn; ++r) store(y, (r0 + r) * n + o, totals[r]);
         }
       }
+    };
+    (void)a8_loop;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (a8_quads) {   // int8 x against 4-bit rows
+      a8_loop([&](auto wn, auto rn, const uint8_t* wr, int64_t w0, const int8_t* const* xqs, const float* const* dxs,
+                  const float* const* dss, float* totals) {
+        qrows4_a8<decltype(wn)::value, decltype(rn)::value>(wr, row_bytes, scales_h + w0 * groups, mins_h + w0 * groups,
+                                                            xqs, dxs, dss, groups, totals);
+      });
+      return;
+    }
+    if (a8_eight) {   // int8 x against 8-bit rows
+      a8_loop([&](auto wn, auto rn, const uint8_t* wr, int64_t w0, const int8_t* const* xqs, const float* const* dxs,
+                  const float* const* dss, float* totals) {
+        qrows8_a8<decltype(wn)::value, decltype(rn)::value>(wr, row_bytes, scales_h + w0 * groups, xqs, dxs, dss,
+                                                            groups, totals);
+      });
+      return;
+    }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (a8_avx2) {   // int8 x against 4-bit rows, AVX2
+      a8_loop([&](auto wn, auto rn, const uint8_t* wr, int64_t w0, const int8_t* const* xqs, const float* const* dxs,
+                  const float* const* dss, float* totals) {
+        qrows4_a8_avx2<decltype(wn)::value, decltype(rn)::value>(wr, row_bytes, scales_h + w0 * groups,
+                                                                 mins_h + w0 * groups, xqs, dxs, dss, groups, totals);
+      });
       return;
     }
 #endif
