@@ -47,7 +47,11 @@ _module: list = []     # the extension's Python module, once loaded (see direct(
 
 # -fno-trapping-math: without it GCC keeps floor() scalar, and with it every loop that calls
 # fast_exp (SiLU: 336 us -> see docs for 256 x 1536); no code here relies on FP traps.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+# FASTGEN_KERNEL_MARCH builds for another ISA than this host's (e.g. "icelake-server": AVX-512
+# and VNNI, no AMX or AVX512-BF16), to run the kernels another kind of host would build; any
+# -march value the compiler knows, and the build key changes with it
+MARCH = os.environ.get("FASTGEN_KERNEL_MARCH", "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def build_name() -> str:
