@@ -266,9 +266,7 @@ def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, bits, k):
     decode rows and prompt rows differ by the sums' order only, each a decode's output is the
     same in any batch (one row alone takes two W rows at a time), and the reference is x's
     rounding times the exact weights."""
-    _skip_without_int8()
-    if bits not in torch.ops.fastgen.a8_kinds():
-        pytest.skip(f"no int8 kernel for {bits}-bit rows on this host")
+    _skip_without_int8(bits)
     g = torch.Generator().manual_seed(k + bits)
     q = QuantWeight(quantize(torch.randn(75, k, generator=g), bits), None).quant
     x = torch.randn(7, k, generator=g).to(dtype)

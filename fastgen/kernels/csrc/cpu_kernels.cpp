@@ -2291,8 +2291,9 @@ inline void qrow_generic(const uint8_t* wr, const float* sc, const float* xf, in
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // x rows quantized to int8 per group of 32 (llama.cpp's Q8_0 activations), laid out to
-// match the weight bytes of a pair of groups (see qrow_vnni); dx: [groups] scales.
-inline void quantize_x_pairs(const float* xr, int64_t k, int kind, int8_t* xq, float* dx) {
+// match the weight bytes of a pair of groups (see qrow_vnni); dx: [groups] scales; dsum (may be
+// null): [groups] dx * sum(xq), the rounded x's group sums (qrows8_a8 takes them).
+inline void quantize_x_pairs(const float* xr, int64_t k, int kind, int8_t* xq, float* dx, float* dsum = nullptr) {
   const int64_t groups = k / 32;
   for (int64_t g = 0; g < groups; ++g) {
     float amax = 0.f;
@@ -2301,8 +2302,10 @@ inline void quantize_x_pairs(const float* xr, int64_t k, int kind, int8_t* xq, f
     dx[g] = d;
     const float inv = 1.f / d;
     const int64_t p = g / 2, odd = g % 2;
+    int32_t sum = 0;
     for (int64_t i = 0; i < 32; ++i) {
       const int8_t v = static_cast<int8_t>(std::nearbyint(xr[g * 32 + i] * inv));
+      sum += v;
       int64_t pos;
       if (g + 1 == groups && groups % 2 == 1)
         pos = p * 64 + i;                                          // tail group: plain order
@@ -2312,6 +2315,7 @@ inline void quantize_x_pairs(const float* xr, int64_t k, int kind, int8_t* xq, f
         pos = p * 64 + odd * 32 + i;                               // [g0, g1]
       xq[pos] = v;
     }
+    if (dsum != nullptr) dsum[g] = d * static_cast<float>(sum);
   }
 }
 
@@ -2971,11 +2975,12 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   const bool a8_quads = vnni && kind == 4 && kHaveA8Quads;
   // AVX2 hosts: int8 x against 4-bit rows through vpmaddubsw (qrows4_a8_avx2)
   const bool a8_avx2 = act_int8 && kHaveA8Avx2 && kind == 4;
-  const bool a8_rows = a8_quads || a8_avx2;   // the kernels that sum the rounded x (dsum)
   // int8 x against 8-bit rows without minima: qrows8_a8 (qrow_vnni for rows with minima)
   const bool a8_eight = vnni && kind == 8 && kHaveA8Quads && mins_h == nullptr;
+  // the kernels that sum the rounded x (dsum) and widen their fp16 scales in registers
+  const bool a8_rows = a8_quads || a8_avx2 || a8_eight;
   // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel but
-  // the int8 quads (which sum the rounded x, dsum) takes x's group sums (for the minima)
+  // the int8 row kernels (which sum the rounded x, dsum) takes x's group sums (for the minima)
   std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(a8_rows ? 0 : m * groups, 0.f);
   for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = load(x, i);
   // x's group sums (the minima's factor), 32 values at a time in two vectors (a chain of 32
@@ -2993,7 +2998,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   }
 #endif
   std::vector<int8_t> xq(vnni || a8_avx2 ? m * (k + 64) : 0);
-  std::vector<float> dx(vnni || a8_avx2 ? m * groups : 0), dsum(a8_rows || a8_eight ? m * groups : 0);
+  std::vector<float> dx(vnni || a8_avx2 ? m * groups : 0), dsum(a8_rows ? m * groups : 0);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   for (int64_t r = 0; a8_avx2 && r < m; ++r)
     quantize_x_pairs_avx2(xf.data() + r * k, k, xq.data() + r * (k + 64), dx.data() + r * groups,
@@ -3006,14 +3011,8 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
   for (int64_t r = 0; vnni && !a8_quads && r < m; ++r)
-    quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups);
-  for (int64_t r = 0; a8_eight && r < m; ++r)   // 8-bit rows: x in plain order, dsum = dx * sum(xq) a group
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* xg = xq.data() + r * (k + 64) + g * 32;
-      int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) sum += xg[i];
-      dsum[r * groups + g] = dx[r * groups + g] * static_cast<float>(sum);
-    }
+    quantize_x_pairs(xf.data() + r * k, k, kind, xq.data() + r * (k + 64), dx.data() + r * groups,
+                     a8_eight ? dsum.data() + r * groups : nullptr);
 #endif
   const NextRows* next = g_next_rows.exchange(nullptr, std::memory_order_relaxed);
   static const bool next_on = [] { const char* v = std::getenv("FASTGEN_NEXT_ROWS_PREFETCH"); return !(v && v[0] == '0'); }();
