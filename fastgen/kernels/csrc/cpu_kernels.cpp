@@ -1158,8 +1158,19 @@ inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, floa
   // maximum, reduced across lanes only where it moved (against eight compares and their mask
   // ORs: 0.95-0.96x the attention's time at 2,048 prompt queries, 0.94-0.95x at 256 after
   // 1,792, same output)
-  __m512 m = Masked ? _mm512_set1_ps(-std::numeric_limits<float>::infinity()) : v[0];
-  for (int i = Masked ? 0 : 1; i < n; ++i) m = Masked ? _mm512_mask_max_ps(m, mk[i], m, v[i]) : _mm512_max_ps(m, v[i]);
+  // (a whole chunk of eight vectors: the maxima and the sum as trees, three steps deep instead of
+  // seven; with fast_exp2_16's degree 3, 0.97x the attention's time at 2,048 prompt queries and
+  // at 256 after 1,792 keys, one process switching call by call, 20-30 rounds, 12-05 seventh
+  // session; outputs within one bf16 rounding)
+  constexpr bool kTree = !Masked && NV == 8;
+  __m512 m;
+  if constexpr (kTree) {
+    m = _mm512_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3])),
+                      _mm512_max_ps(_mm512_max_ps(v[4], v[5]), _mm512_max_ps(v[6], v[7])));
+  } else {
+    m = Masked ? _mm512_set1_ps(-std::numeric_limits<float>::infinity()) : v[0];
+    for (int i = Masked ? 0 : 1; i < n; ++i) m = Masked ? _mm512_mask_max_ps(m, mk[i], m, v[i]) : _mm512_max_ps(m, v[i]);
+  }
   float mx = ml.m;
   if (_mm512_cmp_ps_mask(m, _mm512_set1_ps(ml.m), _CMP_GT_OQ)) mx = std::max(mx, _mm512_reduce_max_ps(m));
   const __m512 cv2 = _mm512_set1_ps(c2), mc = _mm512_set1_ps(mx * c2);
@@ -1167,8 +1178,11 @@ inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, floa
   for (int i = 0; i < n; ++i) {
     v[i] = fast_exp2_16(_mm512_fmsub_ps(v[i], cv2, mc));
     if constexpr (Masked) v[i] = _mm512_maskz_mov_ps(mk[i], v[i]);
-    sum = _mm512_add_ps(sum, v[i]);
+    if constexpr (!kTree) sum = _mm512_add_ps(sum, v[i]);
   }
+  if constexpr (kTree)
+    sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_add_ps(v[2], v[3])),
+                        _mm512_add_ps(_mm512_add_ps(v[4], v[5]), _mm512_add_ps(v[6], v[7])));
   float corr = 1.f;
   if (mx != ml.m) {
     corr = fast_exp((ml.m - mx) * (c2 * 0.6931471805599453f));

@@ -65,17 +65,19 @@ inline __m512 fast_exp16_nonpos(__m512 x) { return fast_exp16_clamped(_mm512_max
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // 2^t on 16 lanes for finite t, for probabilities rounded to bf16 next (the prompt-chunk softmax
 // on tiles, cpu_kernels.cpp): vscalefps applies 2^floor(t) itself, and 2^f for f = t - floor(t)
-// (one vreduceps) comes from a degree-4 polynomial fitted on [0, 1) for relative error (at most
-// 2.7e-6 in fp32, against bf16's 3.9e-3). 6 operations a vector against fast_exp16_nonpos's 11
-// (NaN stays NaN). In the chunk softmax against a round-to-nearest split with a clamp (8
-// operations): 0.95x the attention's time at 2,048 prompt queries, 0.96-0.98x at 256 after 1,792.
+// (one vreduceps) comes from a degree-3 polynomial fitted on [0, 1) for relative error (at most
+// 7.5e-5 in fp32, 50x under bf16's 3.9e-3; p(1) = 2 p(0) to fp32's precision, so no step where
+// floor(t) moves). 5 operations a vector against fast_exp16_nonpos's 11 (NaN stays NaN). In the
+// chunk softmax against a round-to-nearest split with a clamp (8 operations): 0.95x the
+// attention's time at 2,048 prompt queries, 0.96-0.98x at 256 after 1,792 (with degree 4, the
+// polynomial until 12-05's seventh session: degree 3 is part of a further 0.97x, see
+// chunk_softmax_row).
 inline __m512 fast_exp2_16(__m512 t) {
   const __m512 f = _mm512_reduce_ps(t, 0x09);   // round down, precision exception suppressed
-  __m512 p = _mm512_set1_ps(0.013534163124859333f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05201147496700287f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414427399635315f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930038332939148f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+  __m512 p = _mm512_set1_ps(0.07802402973175049f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606706619262695f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958339810371399f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999251365661621f));
   return _mm512_scalef_ps(p, t);
 }
 #endif
