@@ -63,8 +63,9 @@ class SchedulerConfig:
     reserve_blocks: free blocks kept back when admitting a new prompt, so that running
         decodes can keep growing without an immediate preemption.
     policy: name of the scheduling policy.
-    prompt_order: the order in which waiting prompts are admitted: "arrival" (first come, first
-        served) or "deadline" (earliest TTFT deadline first, see fastgen.scheduler.queues).
+    prompt_order: the order in which prompt work is served: "arrival" (first come, first served)
+        or "deadline" (earliest TTFT deadline first, over the waiting prompts and, with SplitFuse,
+        those already being split; see fastgen.scheduler.queues and .splitfuse).
     """
 
     budget_tokens: int

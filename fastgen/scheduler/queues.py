@@ -43,9 +43,10 @@ class RequestQueues:
     """The waiting queue and the running list. ``prompt_order``: "arrival" keeps the waiting queue
     first come, first served; "deadline" keeps new requests in the order of their TTFT deadlines
     (:func:`prompt_deadline`: earliest deadline first, which on one server meets every deadline
-    whenever some order can; here a prompt already started keeps its turn. A short prompt
-    overtakes longer ones that arrived a little earlier; a long one is overtaken only by prompts
-    whose deadlines fall before its own, so none waits forever).
+    whenever some order can; the SplitFuse scheduler gives the prompts already under way their
+    tokens in the same order, merged with this queue's head. A short prompt overtakes longer
+    ones that arrived a little earlier; a long one is overtaken only by prompts whose deadlines
+    fall before its own, so none waits forever).
     Either way preempted requests go back to the front, and admission is head of line."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, prefix_caching: bool = False,

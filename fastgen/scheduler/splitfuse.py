@@ -7,10 +7,12 @@ Rules, in order, for each step:
    waiting queue, to be recomputed with its generated tokens kept) until one is.
 2. The rest of the budget goes to prompt work in admission order: first requests already
    admitted whose tokens are not all computed (a prompt split by the previous step, or
-   a resumed preempted request), then new requests from the waiting queue (in arrival
-   order, or by TTFT deadline with ``prompt_order="deadline"``: RequestQueues). A long
-   prompt is *split* (its chunk is cut to fill the budget exactly); short prompts are
-   *fused* (several fit in one step).
+   a resumed preempted request), then new requests from the waiting queue in arrival
+   order. With ``prompt_order="deadline"`` all of it, started or waiting, goes earliest
+   TTFT deadline first instead (a short prompt overtakes a long one already under way;
+   the waiting queue is kept in deadline order by RequestQueues). A long prompt is
+   *split* (its chunk is cut to fill the budget exactly); short prompts are *fused*
+   (several fit in one step).
 3. A waiting request is admitted only when blocks for all of its tokens are free while
    ``reserve_blocks`` stay free for the running decodes to grow into, or when nothing
    else is running (then it only needs to fit). The queue is served in order: a request
@@ -29,7 +31,7 @@ from ..cache import BlockAllocator
 from ..config import SchedulerConfig
 from ..request import RequestStatus
 from .base import StepPlan
-from .queues import QueueingScheduler
+from .queues import QueueingScheduler, prompt_deadline
 
 
 class SplitFuseScheduler(QueueingScheduler):
@@ -55,11 +57,12 @@ class SplitFuseScheduler(QueueingScheduler):
             budget -= 1
 
         planned = {c.request_id for c in chunks}
-        for req in q.running:
+        started = [r for r in q.running if not r.is_decoding and r.request_id not in planned]
+        if self.config.prompt_order == "deadline":
+            return self._by_deadline(chunks, preempted, budget, started)
+        for req in started:
             if budget == 0:
                 break
-            if req.is_decoding or req.request_id in planned:
-                continue
             n = min(req.num_uncomputed_tokens, budget)
             chunks.append(ScheduledChunk(req.request_id, n))
             budget -= n
@@ -68,6 +71,33 @@ class SplitFuseScheduler(QueueingScheduler):
             req = q.waiting[0]
             if not q.try_admit(req, req.num_tokens, self.config.reserve_blocks):
                 break
+            n = min(req.num_uncomputed_tokens, budget)
+            chunks.append(ScheduledChunk(req.request_id, n))
+            budget -= n
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _by_deadline(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int,
+                     started: list) -> StepPlan:
+        """Rule 2 in deadline order: the started prompts (sorted by TTFT deadline, ties in admission
+        order) and the head of the waiting queue (already in deadline order, preempted requests
+        first) merged, earliest deadline first. A waiting request that cannot be admitted yet stops
+        admission (head of line, rule 3) but not the started prompts, which hold their blocks."""
+        q = self.queues
+        started = sorted(started, key=prompt_deadline)
+        i, admitting = 0, True
+        while budget > 0:
+            head = q.waiting[0] if admitting and q.waiting and len(q.running) < self.max_running else None
+            nxt = started[i] if i < len(started) else None
+            if head is None and nxt is None:
+                break
+            if head is not None and (nxt is None or head.num_preemptions > 0
+                                     or prompt_deadline(head) < prompt_deadline(nxt)):
+                if not q.try_admit(head, head.num_tokens, self.config.reserve_blocks):
+                    admitting = False
+                    continue
+                req = head
+            else:
+                req, i = nxt, i + 1
             n = min(req.num_uncomputed_tokens, budget)
             chunks.append(ScheduledChunk(req.request_id, n))
             budget -= n

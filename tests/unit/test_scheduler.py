@@ -92,12 +92,16 @@ class Sim:
         running = [r for r in self.requests.values() if r.status is RequestStatus.RUNNING]
         decoding_before = {r.request_id for r in running if r.is_decoding}
         outputs_before = {rid: list(r.output_token_ids) for rid, r in self.requests.items()}
+        prompt_work_before = {r.request_id: r.num_uncomputed_tokens for r in running if not r.is_decoding}
+        prompt_work_before.update({r.request_id: r.num_uncomputed_tokens for r in self.scheduler.waiting})
+        waiting_before = {r.request_id for r in self.scheduler.waiting}
 
         plan = self.scheduler.schedule()
 
         ran_before = set(self.first_scheduled_order)
         self.check_plan(plan, decoding_before, outputs_before)
         self.check_admission_order(plan, ran_before)
+        self.check_prompt_work_by_deadline(plan, prompt_work_before, waiting_before)
         self.apply(plan)
         self.plans.append(plan)
         self.num_steps += 1
@@ -213,6 +217,27 @@ class Sim:
         for req in started:
             assert all(prompt_deadline(w) >= prompt_deadline(req) for w in fresh), (
                 f"{req.request_id} ran before an earlier deadline still waiting")
+
+    def check_prompt_work_by_deadline(self, plan: StepPlan, prompt_work_before: dict[str, int],
+                                      waiting_before: set[str]) -> None:
+        """prompt_order="deadline": a prompt (under way, or admitted by this step) gets tokens only
+        when every one due earlier that was under way or admitted got all of its remaining tokens
+        (requests still waiting are held by admission, rule 3; preempted ones by this step's
+        decodes; a preempted request readmitted goes first whatever its deadline): a short
+        prompt is not held behind a long one that started first."""
+        if self.config.prompt_order != "deadline":
+            return
+        by_id = {c.request_id: c.num_tokens for c in plan.chunks}
+        live = {rid: left for rid, left in prompt_work_before.items()
+                if rid not in plan.preempted_ids and (rid not in waiting_before or rid in by_id)}
+        for rid in live:
+            if rid not in by_id or (rid in waiting_before and self.requests[rid].num_preemptions > 0):
+                continue
+            due = prompt_deadline(self.requests[rid])
+            for other, left in live.items():
+                if prompt_deadline(self.requests[other]) < due:
+                    assert by_id.get(other) == left, (
+                        f"{rid} got prompt tokens while {other}, due earlier, got {by_id.get(other)} of {left}")
 
     def check_finished(self) -> None:
         assert not self.scheduler.has_work()
@@ -568,6 +593,26 @@ def test_deadline_order_lets_no_prompt_wait_past_its_deadline_for_later_ones() -
     late.arrival_time = long.arrival_time + 2.0     # arrives after long's deadline
     sched.add(late)
     assert [r.request_id for r in sched.waiting] == ["short", "long", "late"]
+
+
+def test_deadline_order_lets_a_short_prompt_overtake_a_long_one_under_way() -> None:
+    """A short prompt that arrives while a long one is being split goes first in deadline order
+    (its TTFT is due much sooner) and waits for the long one's last chunk in arrival order."""
+    for order, short_first in (("deadline", True), ("arrival", False)):
+        sched = make_scheduler(SchedulerConfig(budget_tokens=16, max_seqs=4, reserve_blocks=0, prompt_order=order),
+                               BlockAllocator(64), 4)
+        long = make_request("long", 100, 1)
+        sched.add(long)
+        plan = sched.schedule()
+        assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("long", 16)]
+        sched.commit(plan, {})
+        sched.add(make_request("short", 6, 1))
+        plan = sched.schedule()
+        got = [(c.request_id, c.num_tokens) for c in plan.chunks]
+        if short_first:
+            assert got == [("short", 6), ("long", 10)], got
+        else:
+            assert got == [("long", 16)], got
 
 
 def test_preempted_requests_stay_ahead_of_new_ones_in_deadline_order() -> None:
