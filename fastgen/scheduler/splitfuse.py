@@ -57,41 +57,24 @@ class SplitFuseScheduler(QueueingScheduler):
             budget -= 1
 
         planned = {c.request_id for c in chunks}
+        # rule 2: the prompts already under way and the waiting queue's head, merged. First come,
+        # first served: every started prompt (admission order) before the queue. Deadline order:
+        # the started ones sorted by TTFT deadline (ties in admission order) against the queue,
+        # kept in that order by RequestQueues, earliest first, a preempted request at its head
+        # before any. A waiting request that cannot be admitted yet stops admission (head of
+        # line, rule 3) but not the started prompts, which hold their blocks.
         started = [r for r in q.running if not r.is_decoding and r.request_id not in planned]
-        if self.config.prompt_order == "deadline":
-            return self._by_deadline(chunks, preempted, budget, started)
-        for req in started:
-            if budget == 0:
-                break
-            n = min(req.num_uncomputed_tokens, budget)
-            chunks.append(ScheduledChunk(req.request_id, n))
-            budget -= n
-
-        while budget > 0 and q.waiting and len(q.running) < self.max_running:
-            req = q.waiting[0]
-            if not q.try_admit(req, req.num_tokens, self.config.reserve_blocks):
-                break
-            n = min(req.num_uncomputed_tokens, budget)
-            chunks.append(ScheduledChunk(req.request_id, n))
-            budget -= n
-        return StepPlan(tuple(chunks), tuple(preempted))
-
-    def _by_deadline(self, chunks: list[ScheduledChunk], preempted: list[str], budget: int,
-                     started: list) -> StepPlan:
-        """Rule 2 in deadline order: the started prompts (sorted by TTFT deadline, ties in admission
-        order) and the head of the waiting queue (already in deadline order, preempted requests
-        first) merged, earliest deadline first. A waiting request that cannot be admitted yet stops
-        admission (head of line, rule 3) but not the started prompts, which hold their blocks."""
-        q = self.queues
-        started = sorted(started, key=prompt_deadline)
+        by_deadline = self.config.prompt_order == "deadline"
+        if by_deadline:
+            started.sort(key=prompt_deadline)
         i, admitting = 0, True
         while budget > 0:
             head = q.waiting[0] if admitting and q.waiting and len(q.running) < self.max_running else None
             nxt = started[i] if i < len(started) else None
             if head is None and nxt is None:
                 break
-            if head is not None and (nxt is None or head.num_preemptions > 0
-                                     or prompt_deadline(head) < prompt_deadline(nxt)):
+            if head is not None and (nxt is None or by_deadline and (
+                    head.num_preemptions > 0 or prompt_deadline(head) < prompt_deadline(nxt))):
                 if not q.try_admit(head, head.num_tokens, self.config.reserve_blocks):
                     admitting = False
                     continue
