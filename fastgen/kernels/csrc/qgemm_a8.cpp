@@ -488,6 +488,11 @@ __attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* 
                                                           const float* dx, const float* dsum, int64_t k,
                                                           const char* const* ahead, __m512* acc) {
   constexpr int64_t kGroupBytes = KIND == 4 ? 16 : 32;
+  // the sums in registers, stored once at the end (through acc, an __m512 pointer that may alias
+  // the float arrays, each group's sums were stored and reloaded: 0.95-0.98x the time at 8-32 rows)
+  __m512 sum[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     if (ahead[0] != nullptr) {   // a later panel's group g: 16 features' bytes, and its scales and minima
 #pragma GCC unroll 8
@@ -533,10 +538,12 @@ __attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* 
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[r]), _mm512_mul_ps(_mm512_set1_ps(dx[r * groups + g]), s),
-                                       g == 0 ? _mm512_setzero_ps() : acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dsum[r * groups + g]), mn, t);
+                                       sum[r]);
+      sum[r] = _mm512_fmadd_ps(_mm512_set1_ps(dsum[r * groups + g]), mn, t);
     }
   }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = sum[r];
 }
 
 template <typename T>
