@@ -530,12 +530,14 @@ __attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* 
     // the rows' eight-deep vpdpbusd chains interleaved, one step of every row at a time: one row
     // after another, each chain's latency (~5 cycles a step) bound the loop (perf, AMX host: 8 rows
     // took the time of 4). Integer sums, so the same output bit for bit; SmolLM2's layer shapes at
-    // 2-32 rows 0.81-0.96x the time, a forward of 8 decodes at 1,300 keys 0.94-0.955x
-    // x's four bytes as vpdpbusd's embedded broadcast ({1to16}: one fused load and product, where
-    // GCC emitted a vpbroadcastd and a vpdpbusd for _mm512_set1_epi32 of them: 64 more uops a
-    // group at 8 rows; 0.83-0.96x the time at 2-32 rows this way, the same sums)
-    auto dp = [&](__m512i& acc, __m512i w, int r, int at) {
-      asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(xq + (g * m + r) * 32 + at)));
+    // 2-32 rows 0.81-0.96x the time, a forward of 8 decodes at 1,300 keys 0.94-0.955x.
+    //
+    // dp: i32 += w . (row r's four bytes at `at`, broadcast), the bytes as vpdpbusd's embedded
+    // broadcast ({1to16}: one fused load and product, where GCC emitted a vpbroadcastd and a
+    // vpdpbusd for _mm512_set1_epi32 of them: 64 more uops a group at 8 rows; 0.83-0.96x the time
+    // at 2-32 rows this way, the same sums)
+    auto dp = [&](__m512i& i32, __m512i w, int r, int at) {
+      asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(i32) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(xq + (g * m + r) * 32 + at)));
     };
     __m512i i32[R];
 #pragma GCC unroll 16
