@@ -245,14 +245,16 @@ def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int8_activation_gemm_rows_do_not_depend_on_the_block_kernel(bits):
     """qgemm_a8 takes a 256-bit kernel for blocks of up to 8 rows, one 512-bit vector for 9-16 and
-    two for more: each row's lane takes the same operations in each, so a row's output is the same
-    bit for bit whether it is multiplied alone, among 12 rows or among 40."""
+    two for more, and decode batches of up to 32 rows its few-row path in passes of at most 14
+    rows split evenly (16 = 8 + 8, 29 = 10 + 10 + 9): each row's lane takes the same operations in
+    each, so a row's output is the same bit for bit whether it is multiplied alone, among 12 rows
+    or among 40."""
     _skip_without_int8(bits)
     g = torch.Generator().manual_seed(7 + bits)
     q = QuantWeight(quantize(torch.randn(24, 576, generator=g), bits), None).quant
     x = torch.randn(40, 576, generator=g).to(torch.bfloat16)
     full = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, None, True)
-    for rows in (1, 5, 8, 12, 16, 20):
+    for rows in (1, 5, 8, 12, 14, 15, 16, 20, 28, 29, 32):
         part = torch.ops.fastgen.qgemm_a8(x[:rows], q.qweight, q.scales, q.mins, q.kind, None, True)
         assert torch.equal(part, full[:rows]), rows
 

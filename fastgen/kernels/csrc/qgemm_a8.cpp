@@ -398,15 +398,20 @@ inline void prefetch_features(const uint8_t* qw, const uint16_t* scales, const u
 // FMA by dx * s, the FMA by dsum * m; the tile's silu and bias), so a row's output is the same
 // bit for bit on either path.
 #ifndef FEW_ROWS
-#define FEW_ROWS 16
+#define FEW_ROWS 14
 #endif
-// rows a pass takes: sixteen, the W words built once a group for all of them (two passes of eight
-// built them twice: 1.11x the time at 12 rows, 1.20x at 16; level at 8)
+// at most this many rows a pass, the rows split evenly between the passes (16 = 8 + 8, 28 = 14 +
+// 14): the W words are built once a group for all of a pass's rows (two passes of six took 1.15x
+// the time of one of twelve), but a pass of 15 or 16 rows keeps more int32 chains and sums than
+// the 32 vector registers hold, and the spilled chains doubled its time (Zen 4, SmolLM2's 120
+// layer products from memory, passes of 16 against passes of at most 14 in one process, the same
+// output bit for bit: 16 rows 13.0 against 8.3 ms, 32 rows 24.4 against 15.8)
 constexpr int kFewRows = FEW_ROWS;
 #ifndef FEW_MAX
 #define FEW_MAX 32
 #endif
-// at most this many rows take this path, in passes of kFewRows (17-32 rows in two: against the block
+// at most this many rows take this path, in passes of at most kFewRows (17-28 rows in two, 29-32 in
+// three; when passes were of 16, 17-32 rows in two: against the block
 // kernels 0.67x the time at 20 rows, 0.79x at 24, 0.94x at 32)
 constexpr int kFewMaxRows = FEW_MAX;
 #ifndef FEW_AHEAD
@@ -613,8 +618,9 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
       }
       const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
       const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
-      for (int64_t r0 = 0; r0 < m; r0 += kFewRows) {
-        const int rn = static_cast<int>(std::min<int64_t>(kFewRows, m - r0));
+      const int64_t npass = (m + kFewRows - 1) / kFewRows;   // passes of even size
+      for (int64_t r0 = 0, ip = 0; r0 < m; ++ip) {
+        const int rn = static_cast<int>((m * (ip + 1)) / npass - (m * ip) / npass);
         __m512 acc[kFewRows], accu[kFewRows];
         static const char* const none[3] = {nullptr, nullptr, nullptr};
         auto panel = [&](auto kind_c, auto rows, int half, __m512* out) {
@@ -646,6 +652,7 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
           if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(y + at, cols, out);
           else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + at, cols, bf16_vec(out));
         }
+        r0 += rn;
       }
     }
   });
