@@ -11,9 +11,9 @@ in tiles) above that, and ``qgemm_a8`` (the same tiles in int8 through VNNI) fro
 
 1. ``qgemm`` against ``qgemm_a8`` over the model's own 4-bit layer products, two threads, from
    memory (all of them each pass, as a prompt chunk reads them), at the rows of
-   :data:`A8_LADDER`; ``max_a8_rows`` is the largest of them at which ``qgemm_a8`` is the faster
-   (unbounded where it wins at the last), ``min_a8_rows`` the smallest from which it is the faster
-   at every larger one up to that (none: ``qgemm`` throughout). On hosts with AMX, ``qgemm`` in
+   :data:`A8_LADDER`; ``min_a8_rows`` to ``max_a8_rows`` is the run of those points over which
+   ``qgemm_a8`` saves the most time in all (unbounded where the run reaches the last point; none
+   where ``qgemm`` is the faster at every point). On hosts with AMX, ``qgemm`` in
    bf16 runs on tiles and overtakes ``qgemm_a8`` past a few dozen rows (2-core Xeon, AMX:
    SmolLM2's layer products at 64 rows 20.7 against 24.3 ms, at 256 rows 36 against 71 ms), so
    there ``qgemm_a8`` keeps a middle range of rows;
@@ -98,17 +98,22 @@ class RowLimits:
 
 def choose_limits(qgemv_points, a8_points) -> tuple[int, int, int]:
     """``(max_qgemv_rows, min_a8_rows, max_a8_rows)`` from the measured points (see the module)."""
-    points = sorted(a8_points, reverse=True)
-    wins = [n for n, a8, plain in points if a8 <= plain]
+    points = sorted(a8_points)
     min_a8 = max_a8 = NEVER
-    if wins:
-        max_a8 = NEVER if wins[0] == points[0][0] else wins[0]
-        for n, a8, plain in points:
-            if n > wins[0]:
-                continue
-            if a8 > plain:
-                break
-            min_a8 = n
+    # the run of ladder points over which qgemm_a8 saves the most time in all (ties: the longer
+    # run); a single loss inside it no longer gives up the wins on its far side (Zen 4, before
+    # the few-row path's passes were split: qgemm_a8 won by 9-11 ms at 2-8 rows, lost by 2.5 at
+    # 32 and won again from 64, and the rule that every point from the limit up must win sent 2-16
+    # rows to the kernels that took twice its time)
+    best = (0.0, 0)
+    for i in range(len(points)):
+        saved = 0.0
+        for j in range(i, len(points)):
+            saved += points[j][2] - points[j][1]
+            if saved > 0 and (saved, j - i) > best:
+                best = (saved, j - i)
+                min_a8 = points[i][0]
+                max_a8 = NEVER if j == len(points) - 1 else points[j][0]
     max_qgemv = 1
     for n, gemv, other in sorted(qgemv_points):
         if gemv > other:

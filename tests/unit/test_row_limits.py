@@ -24,12 +24,19 @@ def _vnni_or_skip() -> None:
     ([(2, 1, 5), (4, 2, 5), (8, 4, 5), (12, 6, 5)], [(16, 9, 8), (32, 9, 10), (64, 9, 10)], (8, 32, NEVER)),
     ([(2, 6, 5)], [(16, 9, 10), (32, 9, 10)], (1, 16, NEVER)),                # qgemv never wins: one row only
     ([(2, 1, 5), (4, 2, 5)], [(16, 9, 8), (32, 11, 10)], (4, NEVER, NEVER)),  # qgemm_a8 never wins
-    # a win below a loss does not count: the limits hold for every row count on their side
-    ([(2, 1, 5), (4, 6, 5), (6, 1, 5)], [(16, 9, 10), (32, 11, 10), (64, 9, 10)], (2, 64, NEVER)),
+    # qgemv's limit: a win below a loss does not count. qgemm_a8's run: the points where it saves
+    # the most in all, a loss inside it taken where the wins on both sides outweigh it ...
+    ([(2, 1, 5), (4, 6, 5), (6, 1, 5)], [(16, 8, 10), (32, 11, 10), (64, 9, 10)], (2, 16, NEVER)),
+    # ... and not where it costs more than the wins on one side save
+    ([(2, 1, 5)], [(16, 9, 10), (32, 14, 10), (64, 7, 10)], (2, 64, NEVER)),
+    # the Zen 4 host's points before the few-row path's even passes (12-06): 2-16 rows won by 2-11
+    # ms, 32 lost by 2.5: every row count from 2 takes qgemm_a8
+    ([(2, 3.0, 2.98)], [(2, 3.0, 14.1), (4, 3.6, 14.0), (8, 4.7, 14.1), (12, 6.2, 14.1), (16, 12.7, 14.4),
+                        (32, 24.2, 21.7), (64, 30.2, 36.7), (128, 53.3, 67.7)], (1, 2, NEVER)),
     # qgemm overtakes qgemm_a8 past a few dozen rows (bf16 on AMX tiles): qgemm_a8 keeps the middle
     ([(2, 1, 5)], [(2, 5, 30), (4, 5, 30), (32, 17, 18), (64, 24, 20), (128, 44, 27)], (2, 2, 32)),
-    # ... and only from where it wins without a break up to there
-    ([(2, 1, 5)], [(2, 5, 4), (4, 5, 30), (16, 9, 8), (32, 17, 18), (64, 24, 20)], (2, 32, 32)),
+    # ... and from where its run saves the most: a small loss at 2 rows leaves 2 rows to qgemm
+    ([(2, 1, 5)], [(2, 5, 4), (4, 5, 30), (16, 9, 8), (32, 17, 18), (64, 24, 20)], (2, 4, 32)),
 ])
 def test_the_limits_are_where_one_kernel_stays_ahead(qgemv, a8, want):
     assert choose_limits(qgemv, a8) == want
