@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from fastgen import kernels
 from fastgen.model.quant import QuantWeight
@@ -138,3 +139,25 @@ def test_row_limits_measured_beside_other_work_serve_this_start_only(tmp_path, m
     assert limits is not None and not limits.cached and limits.a8_points
     assert all(f.max_qgemv_rows == limits.max_qgemv_rows for f in a8_formats(engine.model))
     assert not list((tmp_path / "cache").glob("row-limits/*.json"))
+
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 50), st.floats(0.5, 50)), min_size=1, max_size=8))
+def test_qgemm_a8_keeps_the_run_of_points_that_saves_the_most(times):
+    """Whatever the measured points, the rows qgemm_a8 keeps are a run of ladder points that saves
+    at least as much time as any other run, and none where it saves nothing."""
+    ladder = [2 ** (i + 1) for i in range(len(times))]
+    a8 = [(n, a, b) for n, (a, b) in zip(ladder, times)]
+    _, lo, hi = choose_limits([], a8)
+
+    def saved(i, j):
+        return sum(b - a for _, a, b in a8[i:j + 1])
+
+    best = max(saved(i, j) for i in range(len(a8)) for j in range(i, len(a8)))
+    if best <= 0:
+        assert (lo, hi) == (NEVER, NEVER)
+        return
+    i = ladder.index(lo)
+    j = len(a8) - 1 if hi == NEVER else ladder.index(hi)
+    assert i <= j and saved(i, j) >= best - 1e-9
