@@ -246,7 +246,7 @@ def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype
 def test_int8_activation_gemm_rows_do_not_depend_on_the_block_kernel(bits):
     """qgemm_a8 takes a 256-bit kernel for blocks of up to 8 rows, one 512-bit vector for 9-16 and
     two for more, and decode batches of up to 32 rows its few-row path in passes of at most 14
-    rows split evenly (16 = 8 + 8, 29 = 10 + 10 + 9): each row's lane takes the same operations in
+    rows split evenly (16 = 8 + 8, 29 = 9 + 10 + 10): each row's lane takes the same operations in
     each, so a row's output is the same bit for bit whether it is multiplied alone, among 12 rows
     or among 40."""
     _skip_without_int8(bits)
