@@ -141,7 +141,6 @@ def test_row_limits_measured_beside_other_work_serve_this_start_only(tmp_path, m
     assert not list((tmp_path / "cache").glob("row-limits/*.json"))
 
 
-
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.5, 50), st.floats(0.5, 50)), min_size=1, max_size=8))
 def test_qgemm_a8_keeps_the_run_of_points_that_saves_the_most(times):

@@ -567,6 +567,7 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
                   T* y, int64_t m, int64_t n, int64_t k, int kind, bool silu) {
   const int64_t out_n = silu ? n / 2 : n, groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
   const int64_t panels = (out_n + 15) / 16;
+  const int64_t npass = (m + kFewRows - 1) / kFewRows;   // passes of even size, at most kFewRows rows
   static thread_local std::vector<int8_t> xq_store;
   static thread_local std::vector<float> d_store;
   if (xq_store.size() < static_cast<size_t>(m * k)) xq_store.resize(m * k);
@@ -618,9 +619,9 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
       }
       const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
       const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
-      const int64_t npass = (m + kFewRows - 1) / kFewRows;   // passes of even size
-      for (int64_t r0 = 0, ip = 0; r0 < m; ++ip) {
-        const int rn = static_cast<int>((m * (ip + 1)) / npass - (m * ip) / npass);
+      for (int64_t ip = 0; ip < npass; ++ip) {
+        const int64_t r0 = m * ip / npass;
+        const int rn = static_cast<int>(m * (ip + 1) / npass - r0);
         __m512 acc[kFewRows], accu[kFewRows];
         static const char* const none[3] = {nullptr, nullptr, nullptr};
         auto panel = [&](auto kind_c, auto rows, int half, __m512* out) {
@@ -652,7 +653,6 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
           if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(y + at, cols, out);
           else _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + at, cols, bf16_vec(out));
         }
-        r0 += rn;
       }
     }
   });
