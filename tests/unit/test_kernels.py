@@ -236,12 +236,14 @@ def test_register_blocked_chunk_path(dtype, d, window, amx):
 def test_long_chunks_on_tiles_match_sdpa(d, group, window, amx):
     """bf16 prompt chunks long enough to cross many chunks of 128 keys, on AMX tiles where the CPU
     has them (keys laid out once per sequence and kv head, 32-row tiles of query x head, the last
-    padded) and on the vector path: a 300-query chunk after 450 cached keys, a fresh 77-query
-    prompt and a decode in one call; head dims 64, 96 and 256 (Gemma 3), 1 to 4 heads a kv head,
-    with and without a sliding window that starts inside a chunk."""
+    padded) and on the vector path (the same layout through vdpbf16ps, 8-row passes, the last
+    padded; head dims that are not a multiple of 64 take the per-block path): a 300-query chunk
+    after 450 cached keys, a fresh 77-query prompt, a decode and a 2-query chunk (fewer rows than
+    the vector path lays out keys for) in one call; head dims 64, 96 and 256 (Gemma 3), 1 to 4
+    heads a kv head, with and without a sliding window that starts inside a chunk."""
     g = torch.Generator().manual_seed(d + group + window)
     bs, kvh = 16, 2
-    specs = [(450, 300), (0, 77), (200, 1)]
+    specs = [(450, 300), (0, 77), (200, 1), (130, 2)]
     q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, torch.bfloat16, g, spare_blocks=2)
     got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
                                             torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,

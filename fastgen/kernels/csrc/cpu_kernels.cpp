@@ -430,35 +430,9 @@ inline void pv4(const float* p, int64_t bs, int64_t n, const float* vf, int64_t 
 constexpr bool kHaveBlocked = true;
 
 #if defined(__AVX512BF16__)
-// The same four-row blocks with bf16 products (vdpbf16ps: pairs of bf16 multiplied exactly,
-// summed in fp32), half the instructions of the fp32 FMAs. K is packed per block as 32-bit
-// pairs along d, kw[d/2][bs]; V as pairs of keys, vw[bs/2][d]; q and P as pairs too.
-// sc[4][bs] = q[4] . K^T   (qw: [4][d/2] pairs)
-// R rows (4 or 8: with 8, sixteen independent vdpbf16ps chains instead of eight, and each K
-// load serves twice the rows. A chunk of 256 queries x 2k keys, old against new alternating: the
-// register softmax alone 0.78x the time, with eight rows too 0.67x)
-template <int R>
-inline void qk_rows_bf16(const uint32_t* qw, int64_t d, const uint32_t* kw, int64_t bs, float* sc) {
-  const int64_t d2n = d / 2;
-  for (int64_t jb = 0; jb < bs; jb += 32) {
-    __m512 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = _mm512_setzero_ps(), a[r][1] = _mm512_setzero_ps();
-    for (int64_t d2 = 0; d2 < d2n; ++d2) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kw + d2 * bs + jb);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kw + d2 * bs + jb + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * d2n + d2]));
-        a[r][0] = _mm512_dpbf16_ps(a[r][0], qv, k0), a[r][1] = _mm512_dpbf16_ps(a[r][1], qv, k1);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(sc + r * bs + jb, a[r][0]), _mm512_storeu_ps(sc + r * bs + jb + 16, a[r][1]);
-  }
-}
-inline void qk4_bf16(const uint32_t* qw, int64_t d, const uint32_t* kw, int64_t bs, float* sc) {
-  qk_rows_bf16<4>(qw, d, kw, bs, sc);
-}
-
+// bf16 products (vdpbf16ps: pairs of bf16 multiplied exactly, summed in fp32), half the
+// instructions of the fp32 FMAs, for the prompt chunks' packed keys and values
+// (attend_chunk_vec): V as pairs of keys, vw[bs/2][d]; P as pairs too.
 // acc[4][d] += P[4] . V   (pw: [4][bs/2] pairs of bf16 probabilities; d % 64 == 0)
 inline void pv4_bf16(const uint32_t* pw, int64_t bs, int64_t n, const uint32_t* vw, int64_t d, float* acc) {
   const int64_t pairs = (n + 1) / 2, half = bs / 2;
@@ -482,9 +456,6 @@ inline void pv4_bf16(const uint32_t* pw, int64_t bs, int64_t n, const uint32_t* 
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * d + ib + 16 * c, a[r][c]);
   }
 }
-constexpr bool kHaveBf16Blocked = true;
-#else
-constexpr bool kHaveBf16Blocked = false;
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 hosts: the same four-row blocks in 8-lane vectors, 16 keys (QK) or 16 values of d (PV) a
@@ -555,21 +526,15 @@ inline void softmax_block32_avx2(Partial& ml, float* ar, int64_t d, float* sc) {
   ml = Partial{mx, ml.l * corr + _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))};
 }
 constexpr bool kHaveBlocked = true;
-constexpr bool kHaveBf16Blocked = false;
 constexpr bool kHaveSoftmax32Avx2 = true;
 #else
 inline void qk4(const float*, int64_t, const float*, int64_t, float*) {}
 inline void pv4(const float*, int64_t, int64_t, const float*, int64_t, float*) {}
 constexpr bool kHaveBlocked = false;
-constexpr bool kHaveBf16Blocked = false;
 #endif
 #if !(!defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__))
 inline void softmax_block32_avx2(Partial&, float*, int64_t, float*) {}
 constexpr bool kHaveSoftmax32Avx2 = false;
-#endif
-#if !defined(__AVX512BF16__)
-inline void qk4_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, float*) {}
-inline void pv4_bf16(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
 #endif
 
 // one row's online-softmax update over a block's scores sc[from..visible): sc becomes the
@@ -844,8 +809,7 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
                  int64_t d_runtime, int64_t bs, float scale, int64_t window, std::vector<float>& acc,
                  std::vector<Partial>& ml,
                  std::vector<float>& qf, std::vector<float>& kf, std::vector<float>& vf,
-                 std::vector<float>& scores, std::vector<uint32_t>& qw, std::vector<uint32_t>& kw,
-                 std::vector<uint32_t>& vw, std::vector<uint32_t>& pw) {
+                 std::vector<float>& scores) {
   const int64_t d = DC > 0 ? DC : d_runtime;
   const int64_t group = h / kvh, s = item.seq, kv = item.kv;
   const int64_t nq_all = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
@@ -867,23 +831,12 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
   }
   const int64_t rows = (qb - qa) * group;  // row r: query qa + r / group, head kv * group + r % group
   const bool many = rows >= kManyRows;
-  const bool use_bf16 = std::is_same_v<T, at::BFloat16> && kHaveBf16Blocked && many && bs % 32 == 0 &&
-                        d % 64 == 0;
-  const int64_t rows4 = use_bf16 ? (rows + 3) / 4 * 4 : rows;  // bf16 blocks pad to four rows
-  qf.resize(rows4 * d);
-  acc.assign(rows4 * d, 0.f);
-  ml.assign(rows4, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (use_bf16) {
-    qw.assign(rows4 * d / 2, 0u);
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* src = q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d;
-      std::memcpy(qw.data() + r * d / 2, src, d * sizeof(T));
-    }
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* src = q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d;
-      for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(src, i) * scale;
-    }
+  qf.resize(rows * d);
+  acc.assign(rows * d, 0.f);
+  ml.assign(rows, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d;
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(src, i) * scale;
   }
   // one row's online-softmax update over this block's scores sc[from..visible); sc becomes the
   // probabilities (0 outside, up to bs)
@@ -895,69 +848,6 @@ void attend_item(const Item& item, const T* q, const T* kpool, const T* vpool, c
     const int64_t first_key = b * bs, n = std::min(bs, p0 + qb - first_key);
     const T* kb = kpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
     const T* vb = vpool + (static_cast<int64_t>(table[b]) * bs * kvh + kv) * d;
-#if defined(__AVX512BF16__)
-    if (use_bf16) {
-      // pack: K as pairs along d, kw[d/2][bs]; V as pairs of keys, vw[bs/2][d] (missing keys 0)
-      const int64_t d2n = d / 2, half = bs / 2;
-      // in 16 x 16 tiles of 32-bit pairs, transposed in registers (a scalar loop of bs * d/2
-      // moves was ~15% of a tile's attention)
-      const uint32_t* kb32 = reinterpret_cast<const uint32_t*>(kb);
-      for (int64_t jb = 0; jb < bs; jb += 16)
-        for (int64_t db = 0; db < d2n; db += 16)
-          pack_keys16([&](int64_t j) { return kb32 + (jb + j) * (kvh * d / 2); }, n - jb, db, jb, bs, kw.data());
-      for (int64_t j2 = 0; j2 < half; ++j2) {
-        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vb + 2 * j2 * kvh * d);
-        const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vb + (2 * j2 + 1) * kvh * d);
-        pair_value_rows(2 * j2 < n ? v0 : nullptr, 2 * j2 + 1 < n ? v1 : nullptr, d, vw.data() + j2 * d);
-      }
-      for (int64_t r_first = 0; r_first < rows4;) {
-        float* sc4 = scores.data();
-        const int64_t step = r_first + 8 <= rows4 ? 8 : 4;   // rows this pass
-        if (step == 8)
-          qk_rows_bf16<8>(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
-        else
-          qk4_bf16(qw.data() + r_first * d2n, d, kw.data(), bs, sc4);
-        // row r's visible keys of this block, [from, visible)
-        auto bounds = [&](int64_t r) {
-          const int64_t pos = p0 + qa + r / group;
-          return std::pair<int64_t, int64_t>(std::max<int64_t>(0, first_visible(pos) - first_key),
-                                             std::min(n, pos - first_key + 1));
-        };
-        // a block a row sees whole (all but the diagonal's and a window's edge) takes the online
-        // softmax in registers, probabilities straight to bf16 pairs (the general update's masked
-        // loops and round trips through sc were ~half of a 4-row step), four rows at once where
-        // the pass's rows all see it whole
-        auto whole = [&](int64_t r) { return bs == 32 && bounds(r) == std::pair<int64_t, int64_t>(0, 32); };
-        bool all_whole = true;
-        for (int64_t rr = 0; rr < step && all_whole; ++rr) all_whole = whole(r_first + rr);
-        for (int64_t rr = 0; all_whole && rr < step; rr += 4)
-          softmax_block32_rows<4>(ml.data() + r_first + rr, acc.data() + (r_first + rr) * d, d, sc4 + rr * bs, bs,
-                                  scale, pw.data() + (r_first + rr) * half, half);
-        for (int64_t rr = 0; !all_whole && rr < step; ++rr) {
-          const int64_t r = r_first + rr;
-          float* sc = sc4 + rr * bs;
-          const auto [from, visible] = bounds(r);
-          if (bs == 32 && from == 0 && visible == 32) {
-            softmax_block32_rows<1>(ml.data() + r, acc.data() + r * d, d, sc, bs, scale, pw.data() + r * half, half);
-            continue;
-          }
-#pragma omp simd
-          for (int64_t j = 0; j < bs; ++j) sc[j] *= scale;
-          softmax_row(r, sc, from, visible);
-          // probs_to_bf16_pairs' loop without its tail (bs is a multiple of 32 here): calling it
-          // measured 6% slower on a 256-row chunk at 1,792 keys
-          for (int64_t jb = 0; jb < bs; jb += 32) {
-            const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + jb + 16), _mm512_loadu_ps(sc + jb));
-            _mm512_storeu_si512(pw.data() + r * half + jb / 2, (__m512i)pb);
-          }
-        }
-        for (int64_t r4 = r_first; r4 < r_first + step; r4 += 4)
-          pv4_bf16(pw.data() + r4 * half, bs, n, vw.data(), d, acc.data() + r4 * d);
-        r_first += step;
-      }
-      continue;
-    }
-#endif
     // widen the block once (K transposed to [d][bs] when many rows read it)
     for (int64_t j = 0; j < n; ++j) {
       const T* kj = kb + j * kvh * d;
@@ -1096,22 +986,10 @@ struct DecodePrefetch {
 // Scores by qk16 straight from the pool's keys; in bf16 the values too (pv_rows_bf16,
 // probabilities as bf16 pairs), in fp32 each head's values widened once per block (pv_rows).
 // acc [h][d], ml [h]: row r is head r.
-#if defined(FASTGEN_HAVE_AMX)
-// ---------------------------------------------------------------------------------------
-// Prompt chunks on AMX tiles (bf16; amx.h). The keys and values a chunk's queries see are laid
-// out once per (sequence, kv head), before the items run, in chunks of kAmxKeys keys: K as pairs
-// along d, kw[d/2][kAmxKeys] (the B operand of S = Q . K^T: 16 pairs of d x 16 keys a tile), V as
-// pairs of keys, vw[kAmxKeys/2][d] (the B operand of O += P . V); keys past the sequence's last
-// read as zero (the pool's unused slots may hold anything). Every query tile of the sequence
-// reads them (before, each tile widened or packed every block it saw itself).
-// An item (sequence, kv head, tile of kQueryTile queries) holds its rows (query x head sharing the
-// kv head) as bf16, padded to a multiple of 32; per chunk of keys the tiles give its scores
-// [rows][kAmxKeys] (2 x 16 rows by 2 x 16 keys at a time), the vector units the online softmax
-// (chunk_softmax_row: the vector path's steps but in log2 units with fast_exp2_16,
-// probabilities rounded to bf16 pairs, an unmoved maximum leaving the row as it is), and the
-// tiles O += P . V into the fp32 accumulators, loaded and stored by tile around it (2 x 16 rows
-// by 2 x 16 values of d).
-
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define FASTGEN_HAVE_PACKED_CHUNKS 1
+// The packed chunks and their online softmax: used by the AMX tiles (below) and, on hosts with
+// AVX512-BF16 but no tiles, by attend_chunk_vec (vdpbf16ps over the same layout)
 // chunk c of sequence s, kv head kv (keys k0 .. k0 + kAmxKeys - 1 of num_keys) -> dst
 inline void amx_pack_chunk(const at::BFloat16* kpool, const at::BFloat16* vpool, const int32_t* table, int64_t bs,
                            int64_t kvh, int64_t d, int64_t kv, int64_t k0, int64_t num_keys, uint32_t* dst) {
@@ -1193,6 +1071,121 @@ inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, floa
   for (int i = 0; i < n; i += 2) _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
 }
 
+// One row's online softmax over a packed chunk's scores sc[0 .. kend) (kend a multiple of 16),
+// the row seeing the chunk's keys [from, visible) (either may lie outside the chunk): unmasked
+// where it sees the chunk whole, lane masks where not, probabilities (0 for keys it does not
+// see) as bf16 pairs in pr[kAmxKeys / 2]
+inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, int64_t kend, float c2, Partial& ml,
+                               float* ar, int64_t d, uint32_t* pr) {
+  from = std::max<int64_t>(0, from);
+  visible = std::min<int64_t>(kAmxKeys, visible);
+  constexpr int NV = kAmxKeys / 16;
+  const int nv = static_cast<int>(kend / 16);
+  if (visible <= from) {
+    std::memset(pr, 0, kAmxKeys / 2 * sizeof(uint32_t));
+    return;
+  }
+  if (from == 0 && visible >= kend) {
+    if (nv == NV) chunk_softmax_row<false, NV>(sc, nv, nullptr, c2, ml, ar, d, pr);
+    else chunk_softmax_row<false, 0>(sc, nv, nullptr, c2, ml, ar, d, pr);
+    return;
+  }
+  __mmask16 mk[NV];
+  for (int i = 0; i < nv; ++i) {
+    const int64_t lo = std::clamp<int64_t>(from - 16 * i, 0, 16), hi = std::clamp<int64_t>(visible - 16 * i, 0, 16);
+    mk[i] = hi > lo ? static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)) : 0;
+  }
+  chunk_softmax_row<true, 0>(sc, nv, mk, c2, ml, ar, d, pr);
+}
+
+#if defined(__AVX512BF16__)
+#define FASTGEN_HAVE_CHUNK_VEC 1
+// Prompt chunks on hosts with AVX512-BF16 but no AMX tiles: the tiles' item (attend_chunk_amx)
+// with vdpbf16ps in their place, over the same packed chunks (laid out once per sequence and kv
+// head, not once per query tile and pool block as attend_item lays out its blocks) and the same
+// softmax (log2 units, fast_exp2_16, once per 128 keys instead of once per 32).
+// S = Q . K^T for R rows (bf16 pairs qw[R][d2n]) against a chunk's keys 0 .. kend - 1 (kend a
+// multiple of 32; kw [d2n][kAmxKeys]) -> sc [R][kAmxKeys]: 2R independent vdpbf16ps chains
+template <int R>
+inline void qk_chunk_rows(const uint32_t* qw, int64_t d2n, const uint32_t* kw, int64_t kend, float* sc) {
+  for (int64_t jb = 0; jb < kend; jb += 32) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = _mm512_setzero_ps(), a[r][1] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < d2n; ++d2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kw + d2 * kAmxKeys + jb);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kw + d2 * kAmxKeys + jb + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * d2n + d2]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], qv, k0), a[r][1] = _mm512_dpbf16_ps(a[r][1], qv, k1);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(sc + r * kAmxKeys + jb, a[r][0]), _mm512_storeu_ps(sc + r * kAmxKeys + jb + 16, a[r][1]);
+  }
+}
+
+// one chunk item's attention (d % 64 == 0): acc [rows8][d] and ml[rows8] as attend_item leaves
+// them. packed: the (sequence, kv head)'s chunks. Per chunk, eight rows at a time: their scores,
+// their softmax, then O += P . V four rows at a time (pv4_bf16), the chunk's K and V in L1/L2
+inline void attend_chunk_vec(const Item& item, const at::BFloat16* q, const int32_t* q_starts, const int32_t* start_pos,
+                             int64_t h, int64_t kvh, int64_t d, float scale, int64_t window, const uint32_t* packed,
+                             std::vector<float>& acc, std::vector<Partial>& ml, std::vector<uint16_t>& qb16,
+                             std::vector<float>& scores, std::vector<uint32_t>& pw) {
+  const int64_t group = h / kvh, s = item.seq, kv = item.kv;
+  const int64_t nq_all = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
+  const int64_t qa = item.part * kQueryTile, qb = std::min(nq_all, qa + kQueryTile);
+  const int64_t rows = (qb - qa) * group, r8 = (rows + 7) / 8 * 8, d2n = d / 2, half = kAmxKeys / 2;
+  auto first_visible = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+  qb16.assign(r8 * d, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(qb16.data() + r * d, q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d, d * 2);
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(qb16.data());
+  acc.assign(r8 * d, 0.f);
+  ml.assign(r8, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  if (scores.size() < 8 * kAmxKeys) scores.resize(8 * kAmxKeys);
+  float* const sb = scores.data();
+  pw.assign(r8 * half, 0u);   // rows past `rows` keep probability 0
+  const int64_t c0 = first_visible(p0 + qa) / kAmxKeys, c1 = (p0 + qb - 1) / kAmxKeys + 1;
+  const int64_t words = amx_chunk_words(d);
+  const float c2 = scale * 1.4426950408889634f;   // a raw score's log2 units
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t k0 = c * kAmxKeys;
+    const uint32_t* kw = packed + c * words;
+    const uint32_t* vw = kw + kAmxKeys * d / 2;
+    // the chunk's keys up to the last any row sees, in whole steps of 32
+    const int64_t kend = std::min<int64_t>(kAmxKeys, (p0 + qb - k0 + 31) / 32 * 32);
+    for (int64_t rb = 0; rb < r8; rb += 8) {
+      qk_chunk_rows<8>(qw + rb * d2n, d2n, kw, kend, sb);
+      for (int64_t r = rb; r < std::min(rb + 8, rows); ++r) {
+        const int64_t pos = p0 + qa + r / group;
+        packed_softmax_row(sb + (r - rb) * kAmxKeys, first_visible(pos) - k0, pos - k0 + 1, kend, c2, ml[r],
+                           acc.data() + r * d, d, pw.data() + r * half);
+      }
+      pv4_bf16(pw.data() + rb * half, kAmxKeys, kend, vw, d, acc.data() + rb * d);
+      pv4_bf16(pw.data() + (rb + 4) * half, kAmxKeys, kend, vw, d, acc.data() + (rb + 4) * d);
+    }
+  }
+}
+#endif
+
+#endif
+
+#if defined(FASTGEN_HAVE_AMX)
+// ---------------------------------------------------------------------------------------
+// Prompt chunks on AMX tiles (bf16; amx.h). The keys and values a chunk's queries see are laid
+// out once per (sequence, kv head), before the items run, in chunks of kAmxKeys keys: K as pairs
+// along d, kw[d/2][kAmxKeys] (the B operand of S = Q . K^T: 16 pairs of d x 16 keys a tile), V as
+// pairs of keys, vw[kAmxKeys/2][d] (the B operand of O += P . V); keys past the sequence's last
+// read as zero (the pool's unused slots may hold anything). Every query tile of the sequence
+// reads them (before, each tile widened or packed every block it saw itself).
+// An item (sequence, kv head, tile of kQueryTile queries) holds its rows (query x head sharing the
+// kv head) as bf16, padded to a multiple of 32; per chunk of keys the tiles give its scores
+// [rows][kAmxKeys] (2 x 16 rows by 2 x 16 keys at a time), the vector units the online softmax
+// (chunk_softmax_row: the vector path's steps but in log2 units with fast_exp2_16,
+// probabilities rounded to bf16 pairs, an unmoved maximum leaving the row as it is), and the
+// tiles O += P . V into the fp32 accumulators, loaded and stored by tile around it (2 x 16 rows
+// by 2 x 16 values of d).
+
 // one chunk item's attention on tiles (configured by the caller): acc [rows32][d] and ml[rows32]
 // as attend_item leaves them. packed: the (sequence, kv head)'s chunks.
 inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int32_t* q_starts, const int32_t* start_pos,
@@ -1263,26 +1256,8 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     // keys [from, visible) as lane masks where the row does not see the chunk whole
     auto softmax_row = [&](int64_t r, float* sc) {
       const int64_t pos = p0 + qa + r / group;
-      const int64_t from = std::max<int64_t>(0, first_visible(pos) - k0), visible = std::min<int64_t>(kAmxKeys, pos - k0 + 1);
-      float* ar = acc.data() + r * d;
-      uint32_t* pr = pw.data() + r * half;
-      constexpr int NV = kAmxKeys / 16;
-      const int nv = static_cast<int>(kend / 16);
-      if (visible <= from) {
-        std::memset(pr, 0, half * sizeof(uint32_t));
-        return;
-      }
-      if (from == 0 && visible >= kend) {
-        if (nv == NV) chunk_softmax_row<false, NV>(sc, nv, nullptr, c2, ml[r], ar, d, pr);
-        else chunk_softmax_row<false, 0>(sc, nv, nullptr, c2, ml[r], ar, d, pr);
-        return;
-      }
-      __mmask16 mk[NV];
-      for (int i = 0; i < nv; ++i) {
-        const int64_t lo = std::clamp<int64_t>(from - 16 * i, 0, 16), hi = std::clamp<int64_t>(visible - 16 * i, 0, 16);
-        mk[i] = hi > lo ? static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)) : 0;
-      }
-      chunk_softmax_row<true, 0>(sc, nv, mk, c2, ml[r], ar, d, pr);
+      packed_softmax_row(sc, first_visible(pos) - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
+                         pw.data() + r * half);
     };
     // per block of 32 rows: their scores on the tiles, then their softmax, the scores in one
     // 32-row scratch (16 KB, kept in L1) instead of the item's whole [rows][kAmxKeys] (48 KB
@@ -1738,23 +1713,34 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   // head), in chunks of kAmxKeys keys, before the items run (pack_tasks: (sequence, kv, chunk));
   // sequence s's kv head kv's chunk c at packed + amx_at(s, kv, c). With a sliding window, the
   // chunks before the first query's window are left out (no query of the step reads them)
-  bool use_amx = false;
-  std::vector<int64_t> pack_off, seq_chunks;   // sized where the tiles run (not for decode-only steps)
+  // (hosts with AVX512-BF16 but no tiles: the same packed chunks, attend_chunk_vec)
+  bool use_amx = false, use_packed = false;
+  std::vector<int64_t> pack_off, seq_chunks;   // sized where the chunks are packed (not for decode-only steps)
   std::vector<std::array<int64_t, 3>> pack_tasks;
   static thread_local std::vector<uint32_t> packed_store;
-#if defined(FASTGEN_HAVE_AMX)
+#if defined(FASTGEN_HAVE_AMX) || defined(FASTGEN_HAVE_CHUNK_VEC)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    use_amx = num_decodes < num_seqs && amx_usable() && d % 32 == 0 && d <= 256;
-    if (use_amx) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
-    for (int64_t s = 0; use_amx && s < num_seqs; ++s) {
+    const bool chunks = num_decodes < num_seqs && d % 32 == 0 && d <= 256;
+#if defined(FASTGEN_HAVE_AMX)
+    use_amx = chunks && amx_usable();
+#endif
+    use_packed = use_amx;
+#if defined(FASTGEN_HAVE_CHUNK_VEC)
+    use_packed = use_packed || (chunks && d % 64 == 0);
+#endif
+    if (use_packed) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
+    for (int64_t s = 0; use_packed && s < num_seqs; ++s) {
       const int64_t nq = q_starts[s + 1] - q_starts[s];
-      seq_chunks[s] = nq > 1 ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
+      // on the vector path a chunk of fewer rows than kManyRows (query x head) stays with
+      // attend_item's per-key products: laying out all its keys would cost more than its products
+      const bool packs = nq > 1 && (use_amx || nq * group >= kManyRows);
+      seq_chunks[s] = packs ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
       pack_off[s + 1] = pack_off[s] + seq_chunks[s] * kvh * amx_chunk_words(d);
       const int64_t first = window > 0 ? std::max<int64_t>(0, start_pos[s] - window + 1) / kAmxKeys : 0;
       for (int64_t kv = 0; kv < kvh; ++kv)
         for (int64_t c = first; c < seq_chunks[s]; ++c) pack_tasks.push_back({s, kv, c});
     }
-    if (use_amx && packed_store.size() < static_cast<size_t>(pack_off[num_seqs])) packed_store.resize(pack_off[num_seqs]);
+    if (use_packed && packed_store.size() < static_cast<size_t>(pack_off[num_seqs])) packed_store.resize(pack_off[num_seqs]);
   }
 #endif
   uint32_t* packed = packed_store.data();
@@ -1769,17 +1755,15 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     // preloaded, calls alternated, same output); what a call leaves in them is only what the
     // blocks of one call already leave each other (every kernel writes what it then reads)
     static thread_local std::vector<float> qf, acc, scores, kf, vf;
-    static thread_local std::vector<uint32_t> qw, kw, vw, pw;
+    static thread_local std::vector<uint32_t> pw;
     static thread_local std::vector<Partial> ml;
     static thread_local std::vector<uint16_t> qb16;
     auto grow = [](auto& v, size_t n) { if (v.size() < n) v.resize(n); };
     grow(scores, std::max<int64_t>(4, kManyRows) * bs + 16);
     grow(kf, bs * d);
     grow(vf, bs * d);
-    grow(kw, bs * d / 2 + 16);
-    grow(vw, bs / 2 * d + 16);
     bool tiles = false;   // this thread configured the tiles (released at the end)
-#if defined(FASTGEN_HAVE_AMX)
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (num_pack > 0) {
 #pragma omp for schedule(static)
@@ -1829,10 +1813,16 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         }
       } else
 #endif
+#if defined(FASTGEN_HAVE_CHUNK_VEC)
+      if (use_packed && !decode && seq_chunks[s] > 0) {   // bf16 only
+        if constexpr (std::is_same_v<T, at::BFloat16>)
+          attend_chunk_vec(item, q, q_starts, start_pos, h, kvh, d, scale, window, packed + amx_at(s, item.kv, 0),
+                           acc, ml, qb16, scores, pw);
+      } else
+#endif
       {
-        pw.resize((rows + 3) / 4 * 4 * bs / 2);
         attend_item<T, DC>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
-                           window, acc, ml, qf, kf, vf, scores, qw, kw, vw, pw);
+                           window, acc, ml, qf, kf, vf, scores);
       }
       if (decode && item.num_parts > 1) {
         std::memcpy(part_acc.data() + part_off[it] * d, acc.data(), rows * d * sizeof(float));
