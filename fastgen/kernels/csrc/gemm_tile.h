@@ -74,6 +74,40 @@ template <typename T, int NRT, int MBT>
 inline void store_tile(const float* acc, int64_t m, int nc, T* y, int64_t n, int64_t r0, int64_t o0,
                        const float* bias) {
   const int rows = static_cast<int>(std::min<int64_t>(MBT, m - r0));
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && NRT <= 8 && MBT % 16 == 0) {
+    // bf16 out, at most 8 features (qgemm_a8's panels): each feature's 16 rows rounded first
+    // (bias added, bf16_vec: the general path's values bit for bit), then an 8 x 16 transpose of
+    // the 16-bit values by three rounds of in-lane unpacks (24 on ymm against the 16 x 16 fp32
+    // transpose's 64 on zmm, half of it zeros), a row's 8 features 16 bytes
+    const __mmask8 cols8 = static_cast<__mmask8>((1u << nc) - 1);
+    for (int h = 0; h * 16 < rows; ++h) {
+      __m256i b[8], t[8], u[8];
+      for (int c = 0; c < 8; ++c)
+        b[c] = c < NRT ? bf16_vec(_mm512_add_ps(_mm512_loadu_ps(acc + c * MBT + 16 * h),
+                                                _mm512_set1_ps(bias != nullptr && c < nc ? bias[o0 + c] : 0.f)))
+                       : _mm256_setzero_si256();
+      // per 128-bit lane (rows 0-7 | 8-15): pairs of features, then quads, then all eight
+      for (int c = 0; c < 8; c += 2)
+        t[c] = _mm256_unpacklo_epi16(b[c], b[c + 1]), t[c + 1] = _mm256_unpackhi_epi16(b[c], b[c + 1]);
+      for (int c = 0; c < 8; c += 4)
+        for (int q = 0; q < 2; ++q)
+          u[c + 2 * q] = _mm256_unpacklo_epi32(t[c + q], t[c + 2 + q]),
+          u[c + 2 * q + 1] = _mm256_unpackhi_epi32(t[c + q], t[c + 2 + q]);
+      // u[j] (j < 4) holds rows 2j, 2j + 1 of features 0-3, u[4 + j] of features 4-7
+      for (int j = 0; j < 4; ++j) {
+        const __m256i lo = _mm256_unpacklo_epi64(u[j], u[4 + j]), hi = _mm256_unpackhi_epi64(u[j], u[4 + j]);
+        const __m128i rows_out[4] = {_mm256_castsi256_si128(lo), _mm256_castsi256_si128(hi),
+                                     _mm256_extracti128_si256(lo, 1), _mm256_extracti128_si256(hi, 1)};
+        const int at[4] = {16 * h + 2 * j, 16 * h + 2 * j + 1, 16 * h + 8 + 2 * j, 16 * h + 9 + 2 * j};
+        for (int i = 0; i < 4; ++i)
+          if (at[i] < rows)
+            _mm_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + (r0 + at[i]) * n + o0, cols8, rows_out[i]);
+      }
+    }
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   static_assert(NRT <= 16 && MBT % 16 == 0, "store_tile transposes 16 x 16 at a time");
   const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
