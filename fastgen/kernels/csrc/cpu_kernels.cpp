@@ -1098,6 +1098,38 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
   chunk_softmax_row<true, 0>(sc, nv, mk, c2, ml, ar, d, pr);
 }
 
+// A prompt-chunk item on the packed chunks (attend_chunk_vec, attend_chunk_amx): its queries
+// [qa, qb) of sequence s and its rows (query x head sharing kv head kv: row r is query qa + r /
+// group, head kv * group + r % group), padded to a multiple of `pad` rows. Its queries go to qb16
+// as bf16 [padded][d], acc [padded][d] and ml [padded] are cleared (padding rows zero), scores
+// holds at least `pad` rows of a chunk's scores and pw [padded][kAmxKeys / 2] pairs of zeros
+// (rows past `rows` keep probability 0). c0 .. c1 - 1: the chunks a row of it sees.
+struct PackedItem {
+  int64_t group, s, kv, p0, qa, qb, rows, padded, c0, c1;
+  float c2;   // a raw score's log2 units: scale * log2(e)
+};
+inline PackedItem start_packed_item(const Item& item, const at::BFloat16* q, const int32_t* q_starts,
+                                    const int32_t* start_pos, int64_t h, int64_t kvh, int64_t d, float scale,
+                                    int64_t window, int64_t pad, std::vector<float>& acc, std::vector<Partial>& ml,
+                                    std::vector<uint16_t>& qb16, std::vector<float>& scores, std::vector<uint32_t>& pw) {
+  PackedItem it{};
+  it.group = h / kvh, it.s = item.seq, it.kv = item.kv, it.p0 = start_pos[it.s];
+  it.qa = item.part * kQueryTile, it.qb = std::min<int64_t>(q_starts[it.s + 1] - q_starts[it.s], it.qa + kQueryTile);
+  it.rows = (it.qb - it.qa) * it.group, it.padded = (it.rows + pad - 1) / pad * pad;
+  qb16.assign(it.padded * d, 0);
+  for (int64_t r = 0; r < it.rows; ++r)
+    std::memcpy(qb16.data() + r * d,
+                q + ((q_starts[it.s] + it.qa + r / it.group) * h + it.kv * it.group + r % it.group) * d, d * 2);
+  acc.assign(it.padded * d, 0.f);
+  ml.assign(it.padded, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  if (scores.size() < static_cast<size_t>(pad * kAmxKeys)) scores.resize(pad * kAmxKeys);
+  pw.assign(it.padded * kAmxKeys / 2, 0u);
+  const int64_t first = window > 0 ? std::max<int64_t>(0, it.p0 + it.qa - window + 1) : 0;
+  it.c0 = first / kAmxKeys, it.c1 = (it.p0 + it.qb - 1) / kAmxKeys + 1;
+  it.c2 = scale * 1.4426950408889634f;
+  return it;
+}
+
 #if defined(__AVX512BF16__)
 #define FASTGEN_HAVE_CHUNK_VEC 1
 // Prompt chunks on hosts with AVX512-BF16 but no AMX tiles: the tiles' item (attend_chunk_amx)
@@ -1131,23 +1163,14 @@ inline void attend_chunk_vec(const Item& item, const at::BFloat16* q, const int3
                              int64_t h, int64_t kvh, int64_t d, float scale, int64_t window, const uint32_t* packed,
                              std::vector<float>& acc, std::vector<Partial>& ml, std::vector<uint16_t>& qb16,
                              std::vector<float>& scores, std::vector<uint32_t>& pw) {
-  const int64_t group = h / kvh, s = item.seq, kv = item.kv;
-  const int64_t nq_all = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
-  const int64_t qa = item.part * kQueryTile, qb = std::min(nq_all, qa + kQueryTile);
-  const int64_t rows = (qb - qa) * group, r8 = (rows + 7) / 8 * 8, d2n = d / 2, half = kAmxKeys / 2;
+  const PackedItem it = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window, 8, acc, ml, qb16,
+                                          scores, pw);
+  const int64_t group = it.group, p0 = it.p0, qa = it.qa, qb = it.qb, rows = it.rows, r8 = it.padded;
+  const int64_t d2n = d / 2, half = kAmxKeys / 2, words = amx_chunk_words(d), c0 = it.c0, c1 = it.c1;
+  const float c2 = it.c2;
   auto first_visible = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
-  qb16.assign(r8 * d, 0);
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(qb16.data() + r * d, q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d, d * 2);
   const uint32_t* qw = reinterpret_cast<const uint32_t*>(qb16.data());
-  acc.assign(r8 * d, 0.f);
-  ml.assign(r8, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (scores.size() < 8 * kAmxKeys) scores.resize(8 * kAmxKeys);
   float* const sb = scores.data();
-  pw.assign(r8 * half, 0u);   // rows past `rows` keep probability 0
-  const int64_t c0 = first_visible(p0 + qa) / kAmxKeys, c1 = (p0 + qb - 1) / kAmxKeys + 1;
-  const int64_t words = amx_chunk_words(d);
-  const float c2 = scale * 1.4426950408889634f;   // a raw score's log2 units
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t k0 = c * kAmxKeys;
     const uint32_t* kw = packed + c * words;
@@ -1192,22 +1215,13 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
                              int64_t h, int64_t kvh, int64_t d, float scale, int64_t window, const uint32_t* packed,
                              std::vector<float>& acc, std::vector<Partial>& ml, std::vector<uint16_t>& qb16,
                              std::vector<float>& scores, std::vector<uint32_t>& pw) {
-  const int64_t group = h / kvh, s = item.seq, kv = item.kv;
-  const int64_t nq_all = q_starts[s + 1] - q_starts[s], p0 = start_pos[s];
-  const int64_t qa = item.part * kQueryTile, qb = std::min(nq_all, qa + kQueryTile);
-  const int64_t rows = (qb - qa) * group, r32 = (rows + 31) / 32 * 32;
+  const PackedItem it = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window, 32, acc, ml, qb16,
+                                          scores, pw);
+  const int64_t group = it.group, p0 = it.p0, qa = it.qa, qb = it.qb, rows = it.rows, r32 = it.padded;
+  const int64_t half = kAmxKeys / 2, words = amx_chunk_words(d), c0 = it.c0, c1 = it.c1;
+  const float c2 = it.c2;
   auto first_visible = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
-  qb16.assign(r32 * d, 0);
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(qb16.data() + r * d, q + ((q_starts[s] + qa + r / group) * h + kv * group + r % group) * d, d * 2);
-  acc.assign(r32 * d, 0.f);
-  ml.assign(r32, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-  if (scores.size() < 32 * kAmxKeys) scores.resize(32 * kAmxKeys);
   float* const sb = scores.data();   // the scores of one block of 32 rows at a time
-  pw.assign(r32 * kAmxKeys / 2, 0u);
-  const int64_t c0 = first_visible(p0 + qa) / kAmxKeys, c1 = (p0 + qb - 1) / kAmxKeys + 1;
-  const int64_t half = kAmxKeys / 2, words = amx_chunk_words(d);
-  const float c2 = scale * 1.4426950408889634f;   // a raw score's log2 units
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t k0 = c * kAmxKeys;
     const uint32_t* kw = packed + c * words;
