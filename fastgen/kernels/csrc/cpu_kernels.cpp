@@ -1105,8 +1105,20 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
 // holds at least `pad` rows of a chunk's scores and pw [padded][kAmxKeys / 2] pairs of zeros
 // (rows past `rows` keep probability 0). c0 .. c1 - 1: the chunks a row of it sees.
 struct PackedItem {
-  int64_t group, s, kv, p0, qa, qb, rows, padded, c0, c1;
+  int64_t group, s, kv, p0, qa, qb, rows, padded, c0, c1, window;
   float c2;   // a raw score's log2 units: scale * log2(e)
+  // chunk k0's keys up to the last any row sees, in whole steps of 32 (on the diagonal the keys
+  // past the item's last query are skipped by the products and the softmax alike: 0.97x the time
+  // at 2,048 prompt queries, 0.98x at 256 after 1,792 keys on tiles, same output)
+  int64_t kend(int64_t k0) const { return std::min<int64_t>(kAmxKeys, (p0 + qb - k0 + 31) / 32 * 32); }
+  // row r's online softmax over chunk k0's scores sc[0 .. kend) (packed_softmax_row)
+  void softmax_row(int64_t r, const float* sc, int64_t k0, int64_t kend, int64_t d, std::vector<Partial>& ml,
+                   std::vector<float>& acc, std::vector<uint32_t>& pw) const {
+    const int64_t pos = p0 + qa + r / group;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    packed_softmax_row(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
+                       pw.data() + r * (kAmxKeys / 2));
+  }
 };
 inline PackedItem start_packed_item(const Item& item, const at::BFloat16* q, const int32_t* q_starts,
                                     const int32_t* start_pos, int64_t h, int64_t kvh, int64_t d, float scale,
@@ -1127,6 +1139,7 @@ inline PackedItem start_packed_item(const Item& item, const at::BFloat16* q, con
   const int64_t first = window > 0 ? std::max<int64_t>(0, it.p0 + it.qa - window + 1) : 0;
   it.c0 = first / kAmxKeys, it.c1 = (it.p0 + it.qb - 1) / kAmxKeys + 1;
   it.c2 = scale * 1.4426950408889634f;
+  it.window = window;
   return it;
 }
 
@@ -1156,34 +1169,23 @@ inline void qk_chunk_rows(const uint32_t* qw, int64_t d2n, const uint32_t* kw, i
   }
 }
 
-// one chunk item's attention (d % 64 == 0): acc [rows8][d] and ml[rows8] as attend_item leaves
-// them. packed: the (sequence, kv head)'s chunks. Per chunk, eight rows at a time: their scores,
+// one chunk item's attention (d % 64 == 0; set up by start_packed_item with pad 8): acc [rows8][d]
+// and ml[rows8] as attend_item leaves them. packed: the (sequence, kv head)'s chunks. Per chunk, eight rows at a time: their scores,
 // their softmax, then O += P . V four rows at a time (pv4_bf16), the chunk's K and V in L1/L2
-inline void attend_chunk_vec(const Item& item, const at::BFloat16* q, const int32_t* q_starts, const int32_t* start_pos,
-                             int64_t h, int64_t kvh, int64_t d, float scale, int64_t window, const uint32_t* packed,
-                             std::vector<float>& acc, std::vector<Partial>& ml, std::vector<uint16_t>& qb16,
-                             std::vector<float>& scores, std::vector<uint32_t>& pw) {
-  const PackedItem it = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window, 8, acc, ml, qb16,
-                                          scores, pw);
-  const int64_t group = it.group, p0 = it.p0, qa = it.qa, qb = it.qb, rows = it.rows, r8 = it.padded;
-  const int64_t d2n = d / 2, half = kAmxKeys / 2, words = amx_chunk_words(d), c0 = it.c0, c1 = it.c1;
-  const float c2 = it.c2;
-  auto first_visible = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+inline void attend_chunk_vec(const PackedItem& it, int64_t d, const uint32_t* packed, std::vector<float>& acc,
+                             std::vector<Partial>& ml, const std::vector<uint16_t>& qb16, std::vector<float>& scores,
+                             std::vector<uint32_t>& pw) {
+  const int64_t d2n = d / 2, half = kAmxKeys / 2, words = amx_chunk_words(d);
   const uint32_t* qw = reinterpret_cast<const uint32_t*>(qb16.data());
   float* const sb = scores.data();
-  for (int64_t c = c0; c < c1; ++c) {
-    const int64_t k0 = c * kAmxKeys;
+  for (int64_t c = it.c0; c < it.c1; ++c) {
+    const int64_t k0 = c * kAmxKeys, kend = it.kend(k0);
     const uint32_t* kw = packed + c * words;
     const uint32_t* vw = kw + kAmxKeys * d / 2;
-    // the chunk's keys up to the last any row sees, in whole steps of 32
-    const int64_t kend = std::min<int64_t>(kAmxKeys, (p0 + qb - k0 + 31) / 32 * 32);
-    for (int64_t rb = 0; rb < r8; rb += 8) {
+    for (int64_t rb = 0; rb < it.padded; rb += 8) {
       qk_chunk_rows<8>(qw + rb * d2n, d2n, kw, kend, sb);
-      for (int64_t r = rb; r < std::min(rb + 8, rows); ++r) {
-        const int64_t pos = p0 + qa + r / group;
-        packed_softmax_row(sb + (r - rb) * kAmxKeys, first_visible(pos) - k0, pos - k0 + 1, kend, c2, ml[r],
-                           acc.data() + r * d, d, pw.data() + r * half);
-      }
+      for (int64_t r = rb; r < std::min(rb + 8, it.rows); ++r)
+        it.softmax_row(r, sb + (r - rb) * kAmxKeys, k0, kend, d, ml, acc, pw);
       pv4_bf16(pw.data() + rb * half, kAmxKeys, kend, vw, d, acc.data() + rb * d);
       pv4_bf16(pw.data() + (rb + 4) * half, kAmxKeys, kend, vw, d, acc.data() + (rb + 4) * d);
     }
@@ -1209,27 +1211,18 @@ inline void attend_chunk_vec(const Item& item, const at::BFloat16* q, const int3
 // tiles O += P . V into the fp32 accumulators, loaded and stored by tile around it (2 x 16 rows
 // by 2 x 16 values of d).
 
-// one chunk item's attention on tiles (configured by the caller): acc [rows32][d] and ml[rows32]
-// as attend_item leaves them. packed: the (sequence, kv head)'s chunks.
-inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int32_t* q_starts, const int32_t* start_pos,
-                             int64_t h, int64_t kvh, int64_t d, float scale, int64_t window, const uint32_t* packed,
-                             std::vector<float>& acc, std::vector<Partial>& ml, std::vector<uint16_t>& qb16,
-                             std::vector<float>& scores, std::vector<uint32_t>& pw) {
-  const PackedItem it = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window, 32, acc, ml, qb16,
-                                          scores, pw);
-  const int64_t group = it.group, p0 = it.p0, qa = it.qa, qb = it.qb, rows = it.rows, r32 = it.padded;
-  const int64_t half = kAmxKeys / 2, words = amx_chunk_words(d), c0 = it.c0, c1 = it.c1;
-  const float c2 = it.c2;
-  auto first_visible = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+// one chunk item's attention on tiles (configured by the caller; set up by start_packed_item with
+// pad 32): acc [rows32][d] and ml[rows32] as attend_item leaves them. packed: the (sequence, kv
+// head)'s chunks.
+inline void attend_chunk_amx(const PackedItem& it, int64_t d, const uint32_t* packed, std::vector<float>& acc,
+                             std::vector<Partial>& ml, const std::vector<uint16_t>& qb16, std::vector<float>& scores,
+                             std::vector<uint32_t>& pw) {
+  const int64_t rows = it.rows, r32 = it.padded, half = kAmxKeys / 2, words = amx_chunk_words(d);
   float* const sb = scores.data();   // the scores of one block of 32 rows at a time
-  for (int64_t c = c0; c < c1; ++c) {
-    const int64_t k0 = c * kAmxKeys;
+  for (int64_t c = it.c0; c < it.c1; ++c) {
+    const int64_t k0 = c * kAmxKeys, kend = it.kend(k0);
     const uint32_t* kw = packed + c * words;
     const uint32_t* vw = kw + kAmxKeys * d / 2;
-    // the chunk's keys up to the last any row sees, in whole steps of 32 (on the diagonal the
-    // keys past the item's last query are skipped by the products and the softmax alike:
-    // 0.97x the time at 2,048 prompt queries, 0.98x at 256 after 1,792 keys, same output)
-    const int64_t kend = std::min<int64_t>(kAmxKeys, (p0 + qb - k0 + 31) / 32 * 32);
     // S = Q . K^T for rows rb .. rb + 31 into the 32-row scratch sb [32][kAmxKeys]
     auto qk_block = [&](int64_t rb) {
       if (d == 64) {
@@ -1266,13 +1259,6 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
         }
       }
     };
-    // the online softmax of row r (its scores at sc); probabilities to bf16 pairs. The visible
-    // keys [from, visible) as lane masks where the row does not see the chunk whole
-    auto softmax_row = [&](int64_t r, float* sc) {
-      const int64_t pos = p0 + qa + r / group;
-      packed_softmax_row(sc, first_visible(pos) - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
-                         pw.data() + r * half);
-    };
     // per block of 32 rows: their scores on the tiles, then their softmax, the scores in one
     // 32-row scratch (16 KB, kept in L1) instead of the item's whole [rows][kAmxKeys] (48 KB
     // for SmolLM2's 96 rows, which pushed the packed chunk and the probabilities out of L1).
@@ -1282,7 +1268,7 @@ inline void attend_chunk_amx(const Item& item, const at::BFloat16* q, const int3
     // not kept.)
     for (int64_t rb = 0; rb < r32; rb += 32) {
       qk_block(rb);
-      for (int64_t r = rb; r < std::min(rb + 32, rows); ++r) softmax_row(r, sb + (r - rb) * kAmxKeys);
+      for (int64_t r = rb; r < std::min(rb + 32, rows); ++r) it.softmax_row(r, sb + (r - rb) * kAmxKeys, k0, kend, d, ml, acc, pw);
     }
     // O += P . V
     for (int64_t rb = 0; rb < r32; rb += 32)
@@ -1818,20 +1804,22 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         }
       } else
 #endif
-#if defined(FASTGEN_HAVE_AMX)
-      if (use_amx && !decode) {   // use_amx: bf16 only
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
+      if (use_packed && !decode && seq_chunks[s] > 0) {   // bf16 only: tiles (32-row blocks) or vectors (8)
         if constexpr (std::is_same_v<T, at::BFloat16>) {
-          if (!tiles) amx_configure(), tiles = true;
-          attend_chunk_amx(item, q, q_starts, start_pos, h, kvh, d, scale, window, packed + amx_at(s, item.kv, 0),
-                           acc, ml, qb16, scores, pw);
-        }
-      } else
+          const PackedItem pi = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window,
+                                                  use_amx ? 32 : 8, acc, ml, qb16, scores, pw);
+          const uint32_t* chunks = packed + amx_at(s, item.kv, 0);
+#if defined(FASTGEN_HAVE_AMX)
+          if (use_amx) {
+            if (!tiles) amx_configure(), tiles = true;
+            attend_chunk_amx(pi, d, chunks, acc, ml, qb16, scores, pw);
+          }
 #endif
 #if defined(FASTGEN_HAVE_CHUNK_VEC)
-      if (use_packed && !decode && seq_chunks[s] > 0) {   // bf16 only
-        if constexpr (std::is_same_v<T, at::BFloat16>)
-          attend_chunk_vec(item, q, q_starts, start_pos, h, kvh, d, scale, window, packed + amx_at(s, item.kv, 0),
-                           acc, ml, qb16, scores, pw);
+          if (!use_amx) attend_chunk_vec(pi, d, chunks, acc, ml, qb16, scores, pw);
+#endif
+        }
       } else
 #endif
       {
