@@ -253,7 +253,13 @@ def test_int8_activation_gemm_rows_do_not_depend_on_the_block_kernel(bits):
     g = torch.Generator().manual_seed(7 + bits)
     q = QuantWeight(quantize(torch.randn(24, 576, generator=g), bits), None).quant
     x = torch.randn(40, 576, generator=g).to(torch.bfloat16)
+    # a row of denormals: 1 / dx overflows, every product to int8 saturates (-128) on each path
+    x[6] = 1e-38
+    x[7, :32] = 0     # an all-zero group
     full = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, None, True)
+    plain = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind)   # no SiLU: row 6 stays nonzero
+    assert plain[6].abs().sum() > 0
+    assert torch.equal(torch.ops.fastgen.qgemm_a8(x[:8], q.qweight, q.scales, q.mins, q.kind), plain[:8])
     for rows in (1, 5, 8, 12, 14, 15, 16, 20, 28, 29, 32):
         part = torch.ops.fastgen.qgemm_a8(x[:rows], q.qweight, q.scales, q.mins, q.kind, None, True)
         assert torch.equal(part, full[:rows]), rows

@@ -169,10 +169,13 @@ inline void micro_a8_avx2(const int32_t* xa, const float* dx, const float* dsum,
 // each row's eight words kept in a register and turned into eight vectors of sixteen rows by two
 // 8 x 8 transposes (eight gathers from a buffer before: ~35% of the quantizer's samples on Zen 4).
 // The same values as one row at a time (the scalar loop before this): the same division, the
-// same round-to-nearest-even, the same int32 sums.
-// Per group, the caller's loads: max_abs(r) the row's largest |x| (a vector, its lanes any
-// order), quantize(r, iv) the row's 32 values times iv rounded, as (words of 8 bytes in k
-// order, the row's int32 sum in some lanes of a vector)
+// same round-to-nearest-even, the same saturation to int8, the same int32 sums (for finite x; a
+// NaN in a group may leave a different one of its lanes' maxima than before).
+// Per group and row r (its index in x, `live` false past m: zeros), the overload's two steps:
+// max_abs(r, live, g) the row's |x| folded into a vector whose largest lane is the group's
+// largest |x|; quantize(r, live, g, iv, sum) its 32 values times iv rounded and saturated to
+// int8, as eight 4-byte words in k order (a 256-bit vector), and their int32 sum spread over the
+// lanes of *sum.
 template <typename MaxAbs, typename Quantize>
 inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx, float* dsum, MaxAbs max_abs,
                             Quantize quantize) {
@@ -237,14 +240,19 @@ inline void quantize_block(const float* x, int64_t m, int64_t k, int64_t r0, int
 // as 16-bit integers (bf16 bits without the sign: their order is the values' order), the larger
 // of each pair's two halves in the low half of its 32-bit lane, then reduced as fp32 of those
 // bits shifted up (the same maximum); the even values are the lanes' low halves shifted up, the
-// odd ones their high halves masked, rounded to int32, then back to 16-bit lanes in k order and
-// saturated to bytes (vpmovswb: one narrowing a row instead of two and an insert). On Zen 4 with
-// the transposes above, 2,048 rows x 576 of bf16: 0.6 against 1.05 cycles a value (the widening
+// odd ones their high halves masked, each rounded to int32, saturated to int16 by one pack (even
+// and odd values four at a time in each 128-bit lane), saturated to bytes (vpmovswb) and put
+// back in k order by one byte shuffle: int32 -> int8 saturation as before (cvtsepi32_epi8), for
+// every int32 (a NaN or out-of-range product's 0x80000000 included). On Zen 4 with the
+// transposes above, 2,048 rows x 576 of bf16: 0.6 against 1.05 cycles a value (the widening
 // loads (vpmovzxwd) and two narrowings a row cost most of it)
 inline void quantize_block(const at::BFloat16* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx,
                            float* dsum) {
   const __m512i abs16 = _mm512_set1_epi16(0x7FFF), lo16 = _mm512_set1_epi32(0xFFFF);
   const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // per 8 bytes after the pack and narrowing: x0 x2 x4 x6 x1 x3 x5 x7 -> x0 .. x7
+  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
   auto row = [&](int64_t r, bool live, int64_t g) {
     return live ? _mm512_loadu_si512(x + r * k + g * 32) : _mm512_setzero_si512();
   };
@@ -259,8 +267,7 @@ inline void quantize_block(const at::BFloat16* x, int64_t m, int64_t k, int64_t 
         const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), iv));
         const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, hi16)), iv));
         *sum = _mm512_add_epi32(qe, qo);
-        return _mm512_cvtsepi16_epi8(_mm512_mask_blend_epi16(static_cast<__mmask32>(0xAAAAAAAAu), qe,
-                                                             _mm512_slli_epi32(qo, 16)));
+        return _mm256_shuffle_epi8(_mm512_cvtsepi16_epi8(_mm512_packs_epi32(qe, qo)), order);
       });
 }
 #endif
