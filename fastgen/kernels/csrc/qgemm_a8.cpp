@@ -285,6 +285,81 @@ inline __m256 halves8(const uint16_t* p, int64_t n) {
 #endif
 }
 
+#if defined(FASTGEN_A8_VNNI)
+// 16 bytes at each of a, b, c, e as the four 128-bit lanes of a vector
+inline __m512i lanes4(const uint8_t* a, const uint8_t* b, const uint8_t* c, const uint8_t* e) {
+  const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  const __m512i v1 = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  const __m512i v2 = _mm512_inserti32x4(v1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 2);
+  return _mm512_inserti32x4(v2, _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)), 3);
+}
+
+// unpack_panel for a whole panel (NR8 = 8 features) of 4-bit rows with minima, on 512-bit
+// vectors: the same u, s and m. Per group, features 0..3 and 4..7 each in one vector (a feature's
+// 16 bytes a lane); their low nibbles are words 0..3 of each feature, the high ones words 4..7,
+// and one two-source dword permute makes two steps' [j][c] rows. The fp16 scales and minima of
+// 8 groups go through a two-source 16-bit permute to [g][c] before the conversion. Against the
+// 256-bit path (8 x 8 transposes; still taken by 8-bit rows and a short last panel), same output
+// bit for bit; the model's 256-token chunk at 1,792 keys 0.991x the time in two runs of 24
+// alternating rounds (15 of 24 faster each), prefill of 2,048 tokens 0.990x (7 of 8), Zen 4
+// (perf had ~7% of qgemm_a8's samples at 256 rows in the unpacking, its loads from memory)
+inline void unpack_panel4_full(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int64_t k, int64_t o0,
+                               uint32_t* u, float* s, float* mn) {
+  const int64_t groups = k / 32, row_bytes = k / 2;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // output dword p = 8 j + c (j = 0, 1) takes feature c's word j: lane c of the first source
+  // (c < 4) or lane c - 4 of the second
+  alignas(64) int32_t i01[16], i23[16];
+  for (int p = 0; p < 16; ++p) {
+    const int j = p / 8, c = p % 8;
+    i01[p] = (c < 4 ? 0 : 16) + (c % 4) * 4 + j;
+    i23[p] = i01[p] + 2;
+  }
+  const __m512i x01 = _mm512_load_si512(i01), x23 = _mm512_load_si512(i23);
+  const uint8_t* r = qw + o0 * row_bytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* q = r + g * 16;
+    const __m512i a = lanes4(q, q + row_bytes, q + 2 * row_bytes, q + 3 * row_bytes);
+    const __m512i b = lanes4(q + 4 * row_bytes, q + 5 * row_bytes, q + 6 * row_bytes, q + 7 * row_bytes);
+    const __m512i alo = _mm512_and_si512(a, low4), ahi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+    const __m512i blo = _mm512_and_si512(b, low4), bhi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    uint32_t* ug = u + g * 64;
+    _mm512_storeu_si512(ug, _mm512_permutex2var_epi32(alo, x01, blo));
+    _mm512_storeu_si512(ug + 16, _mm512_permutex2var_epi32(alo, x23, blo));
+    _mm512_storeu_si512(ug + 32, _mm512_permutex2var_epi32(ahi, x01, bhi));
+    _mm512_storeu_si512(ug + 48, _mm512_permutex2var_epi32(ahi, x23, bhi));
+  }
+  // 16-bit p = 8 g + c (g = 0..3) takes feature c's half g; the second permute g = 4..7
+  alignas(64) int16_t h03[32], h47[32];
+  for (int p = 0; p < 32; ++p) {
+    const int g = p / 8, c = p % 8;
+    h03[p] = static_cast<int16_t>((c < 4 ? 0 : 32) + (c % 4) * 8 + g);
+    h47[p] = static_cast<int16_t>(h03[p] + 4);
+  }
+  const __m512i y03 = _mm512_load_si512(h03), y47 = _mm512_load_si512(h47);
+  int64_t g0 = 0;
+  for (; g0 + 8 <= groups; g0 += 8) {
+    for (int which = 0; which < 2; ++which) {
+      const uint8_t* base = reinterpret_cast<const uint8_t*>((which ? mins : scales) + o0 * groups + g0);
+      const int64_t st = groups * 2;
+      const __m512i a = lanes4(base, base + st, base + 2 * st, base + 3 * st);
+      const __m512i b = lanes4(base + 4 * st, base + 5 * st, base + 6 * st, base + 7 * st);
+      const __m512i lo = _mm512_permutex2var_epi16(a, y03, b), hi = _mm512_permutex2var_epi16(a, y47, b);
+      float* dst = (which ? mn : s) + g0 * NR8;
+      _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm512_castsi512_si256(lo)));
+      _mm512_storeu_ps(dst + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1)));
+      _mm512_storeu_ps(dst + 32, _mm512_cvtph_ps(_mm512_castsi512_si256(hi)));
+      _mm512_storeu_ps(dst + 48, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)));
+    }
+  }
+  for (; g0 < groups; ++g0)   // the last groups (k not a multiple of 256)
+    for (int c = 0; c < NR8; ++c) {
+      s[g0 * NR8 + c] = _cvtsh_ss(scales[(o0 + c) * groups + g0]);
+      mn[g0 * NR8 + c] = _cvtsh_ss(mins[(o0 + c) * groups + g0]);
+    }
+}
+#endif
+
 // output features o0 .. o0 + nc - 1 (the rest zero), interleaved so that one pointer reaches a
 // step's NR8 values: u as [k/4][NR8] words of 4 unsigned bytes in k order, s and m as
 // [groups][NR8] fp32. Per group the NR8 = 8 features' 8 words each are an 8 x 8 transpose in
@@ -294,6 +369,12 @@ void unpack_panel(const uint8_t* qw, const uint16_t* scales, const uint16_t* min
                   int64_t o0, int nc, uint32_t* u, float* s, float* mn) {
   static_assert(NR8 == 8, "unpack_panel transposes 8 features at a time");
   const int64_t groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
+#if defined(FASTGEN_A8_VNNI)
+  if (kind == 4 && nc == NR8 && mins != nullptr) {   // a whole panel of 4-bit rows: 512-bit vectors
+    unpack_panel4_full(qw, scales, mins, k, o0, u, s, mn);
+    return;
+  }
+#endif
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < groups; ++g) {
