@@ -2190,9 +2190,15 @@ inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
     tail = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
   }
 #endif
+  // the rest (k not a multiple of the vector steps), entered only where there is one: GCC sums
+  // the simd loop's 16 lanes one after another even when it runs no iteration, a chain of 16
+  // dependent adds a row (Zen 4, one thread, a cached 1,536 x 576 bf16 weight: 29.1 -> 20.2 ns a
+  // row; SmolLM2's bf16 head from memory 1,941 -> 1,484 us, fp32 3,206 -> 2,360 us)
   float a = 0.f;
+  if (i < k) {
 #pragma omp simd reduction(+ : a)
-  for (int64_t j = i; j < k; ++j) a += xr[j] * load(wr, j);
+    for (int64_t j = i; j < k; ++j) a += xr[j] * load(wr, j);
+  }
   return tail + a;
 }
 
