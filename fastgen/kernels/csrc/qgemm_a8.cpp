@@ -307,15 +307,19 @@ inline void unpack_panel4_full(const uint8_t* qw, const uint16_t* scales, const 
                                uint32_t* u, float* s, float* mn) {
   const int64_t groups = k / 32, row_bytes = k / 2;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // output dword p = 8 j + c (j = 0, 1) takes feature c's word j: lane c of the first source
-  // (c < 4) or lane c - 4 of the second
-  alignas(64) int32_t i01[16], i23[16];
-  for (int p = 0; p < 16; ++p) {
-    const int j = p / 8, c = p % 8;
-    i01[p] = (c < 4 ? 0 : 16) + (c % 4) * 4 + j;
-    i23[p] = i01[p] + 2;
-  }
-  const __m512i x01 = _mm512_load_si512(i01), x23 = _mm512_load_si512(i23);
+  // the permutes' indices, built once: output dword p = 8 j + c (j = 0, 1) takes feature c's
+  // word j, lane c of the first source (c < 4) or lane c - 4 of the second (j = 2, 3: + 2);
+  // output 16-bit p = 8 g + c (g = 0..3) takes feature c's half g (g = 4..7: + 4)
+  static const struct Indices {
+    alignas(64) int32_t words[16];
+    alignas(64) int16_t halves[32];
+  } idx = [] {
+    Indices t{};
+    for (int p = 0; p < 16; ++p) t.words[p] = (p % 8 < 4 ? 0 : 16) + (p % 4) * 4 + p / 8;
+    for (int p = 0; p < 32; ++p) t.halves[p] = static_cast<int16_t>((p % 8 < 4 ? 0 : 32) + (p % 4) * 8 + p / 8);
+    return t;
+  }();
+  const __m512i x01 = _mm512_load_si512(idx.words), x23 = _mm512_add_epi32(x01, _mm512_set1_epi32(2));
   const uint8_t* r = qw + o0 * row_bytes;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* q = r + g * 16;
@@ -329,14 +333,7 @@ inline void unpack_panel4_full(const uint8_t* qw, const uint16_t* scales, const 
     _mm512_storeu_si512(ug + 32, _mm512_permutex2var_epi32(ahi, x01, bhi));
     _mm512_storeu_si512(ug + 48, _mm512_permutex2var_epi32(ahi, x23, bhi));
   }
-  // 16-bit p = 8 g + c (g = 0..3) takes feature c's half g; the second permute g = 4..7
-  alignas(64) int16_t h03[32], h47[32];
-  for (int p = 0; p < 32; ++p) {
-    const int g = p / 8, c = p % 8;
-    h03[p] = static_cast<int16_t>((c < 4 ? 0 : 32) + (c % 4) * 8 + g);
-    h47[p] = static_cast<int16_t>(h03[p] + 4);
-  }
-  const __m512i y03 = _mm512_load_si512(h03), y47 = _mm512_load_si512(h47);
+  const __m512i y03 = _mm512_load_si512(idx.halves), y47 = _mm512_add_epi16(y03, _mm512_set1_epi16(4));
   int64_t g0 = 0;
   for (; g0 + 8 <= groups; g0 += 8) {
     for (int which = 0; which < 2; ++which) {
