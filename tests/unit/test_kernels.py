@@ -232,24 +232,27 @@ def test_register_blocked_chunk_path(dtype, d, window, amx):
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d,group,window", [(64, 3, 0), (64, 3, 150), (256, 4, 0), (96, 1, 70)])
-def test_long_chunks_on_tiles_match_sdpa(d, group, window, amx):
-    """bf16 prompt chunks long enough to cross many chunks of 128 keys, on AMX tiles where the CPU
+def test_long_chunks_on_tiles_match_sdpa(d, group, window, dtype, amx):
+    """Prompt chunks long enough to cross many chunks of 128 keys. bf16: on AMX tiles where the CPU
     has them (keys laid out once per sequence and kv head, 32-row tiles of query x head, the last
     padded) and on the vector path (the same layout through vdpbf16ps, 8-row passes, the last
-    padded; head dims that are not a multiple of 64 take the per-block path): a 300-query chunk
-    after 450 cached keys, a fresh 77-query prompt, a decode and a 2-query chunk (fewer rows than
-    the vector path lays out keys for) in one call; head dims 64, 96 and 256 (Gemma 3), 1 to 4
-    heads a kv head, with and without a sliding window that starts inside a chunk."""
+    padded); fp32: the same chunks as K^T and V in fp32 through FMAs, 4-row passes, 64 keys and a
+    last 32 a pass, fp32 probabilities (attend_chunk_f32); head dims that are not a multiple of 64
+    take the per-block path. A 300-query chunk after 450 cached keys, a fresh 77-query prompt, a
+    decode and a 2-query chunk (fewer rows than the vector paths lay out keys for) in one call;
+    head dims 64, 96 and 256 (Gemma 3), 1 to 4 heads a kv head, with and without a sliding window
+    that starts inside a chunk."""
     g = torch.Generator().manual_seed(d + group + window)
     bs, kvh = 16, 2
     specs = [(450, 300), (0, 77), (200, 1), (130, 2)]
-    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, torch.bfloat16, g, spare_blocks=2)
+    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, dtype, g, spare_blocks=2)
     got = torch.ops.fastgen.paged_attention(q, kp, vp, torch.tensor(q_starts, dtype=torch.int32),
                                             torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
                                             d ** -0.5, window)
     want = _reference_attention(q, kp, vp, q_starts, [sp for sp, _ in specs], tables, window)
-    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():

@@ -369,6 +369,10 @@ struct Partial {
 constexpr int64_t kAmxKeys = 128;
 
 inline int64_t amx_chunk_words(int64_t d) { return kAmxKeys * d; }   // kw + vw, 32-bit words
+// a packed chunk's 32-bit words for pool values of T: bf16 pairs as above; fp32 K^T [d][kAmxKeys]
+// and V [kAmxKeys][d] as they are (attend_chunk_f32)
+template <typename T>
+inline int64_t chunk_words(int64_t d) { return std::is_same_v<T, float> ? 2 * kAmxKeys * d : amx_chunk_words(d); }
 
 constexpr int64_t kQueryTile = 32;
 constexpr int64_t kManyRows = 8;
@@ -378,6 +382,14 @@ struct Item {
 };
 
 #if defined(__AVX512F__)
+// v held in a register: GCC otherwise folds a vector loaded once and used by several FMAs into each
+// of them as a memory operand, one load per FMA (four loads of each K or V vector in qk4 / pv4).
+// Measured on the Zen 4 host (fp32, SmolLM2's heads, one process switching builds' paths call by
+// call, same output): the prompt-chunk attention 0.77x the time at 2,048 queries, 0.85x at 256
+// after 1,792 keys. (The decode's pv_rows, bound by the pool's reads, measured 1.13-1.17x with it:
+// not there.)
+inline void in_reg(__m512& v) { asm volatile("" : "+v"(v)); }
+
 // Four rows at a time, so that eight (QK) or sixteen (PV) independent FMA chains hide the
 // FMA latency; one row at a time is latency-bound (measured 47 against 80 GFLOP/s for the
 // per-key dot products, which at least overlap across keys).
@@ -388,7 +400,8 @@ inline void qk4(const float* q, int64_t d, const float* kt, int64_t bs, float* s
            b1 = _mm512_setzero_ps(), c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(),
            e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; ++i) {
-      const __m512 k0 = _mm512_loadu_ps(kt + i * bs + jb), k1 = _mm512_loadu_ps(kt + i * bs + jb + 16);
+      __m512 k0 = _mm512_loadu_ps(kt + i * bs + jb), k1 = _mm512_loadu_ps(kt + i * bs + jb + 16);
+      in_reg(k0), in_reg(k1);
       __m512 qv = _mm512_set1_ps(q[i]);
       a0 = _mm512_fmadd_ps(qv, k0, a0), a1 = _mm512_fmadd_ps(qv, k1, a1);
       qv = _mm512_set1_ps(q[d + i]);
@@ -413,8 +426,9 @@ inline void pv4(const float* p, int64_t bs, int64_t n, const float* vf, int64_t 
       for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * d + ib + 16 * c);
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = vf + j * d + ib;
-      const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
-                   v3 = _mm512_loadu_ps(vj + 48);
+      __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
+             v3 = _mm512_loadu_ps(vj + 48);
+      in_reg(v0), in_reg(v1), in_reg(v2), in_reg(v3);
       for (int r = 0; r < 4; ++r) {
         const __m512 pv = _mm512_set1_ps(p[r * bs + j]);
         a[r][0] = _mm512_fmadd_ps(pv, v0, a[r][0]);
@@ -1026,7 +1040,7 @@ inline void amx_pack_chunk(const at::BFloat16* kpool, const at::BFloat16* vpool,
 // floor (fast_exp2_16) instead of by rounding with a clamp, a further 0.95x and 0.96-0.98x.
 // Against an fp32 reference: the same largest and mean errors to 1e-7. (The sum kept as a vector
 // per row and reduced once per item instead of once per chunk: level, not kept.)
-template <bool Masked, int NV>
+template <bool Masked, int NV, bool F32 = false>
 inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, float c2, Partial& ml, float* ar,
                               int64_t d, uint32_t* pr) {
   const int n = NV > 0 ? NV : nv;
@@ -1054,7 +1068,7 @@ inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, floa
   const __m512 cv2 = _mm512_set1_ps(c2), mc = _mm512_set1_ps(mx * c2);
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < n; ++i) {
-    v[i] = fast_exp2_16(_mm512_fmsub_ps(v[i], cv2, mc));
+    v[i] = F32 ? exp2_16(_mm512_fmsub_ps(v[i], cv2, mc)) : fast_exp2_16(_mm512_fmsub_ps(v[i], cv2, mc));
     if constexpr (Masked) v[i] = _mm512_maskz_mov_ps(mk[i], v[i]);
     if constexpr (!kTree) sum = _mm512_add_ps(sum, v[i]);
   }
@@ -1068,13 +1082,17 @@ inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, floa
     for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
   }
   ml = Partial{mx, ml.l * corr + _mm512_reduce_add_ps(sum)};
-  for (int i = 0; i < n; i += 2) _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
+  if constexpr (F32)   // fp32 probabilities (attend_chunk_f32)
+    for (int i = 0; i < n; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(pr) + 16 * i, v[i]);
+  else
+    for (int i = 0; i < n; i += 2) _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
 }
 
 // One row's online softmax over a packed chunk's scores sc[0 .. kend) (kend a multiple of 16),
 // the row seeing the chunk's keys [from, visible) (either may lie outside the chunk): unmasked
 // where it sees the chunk whole, lane masks where not, probabilities (0 for keys it does not
-// see) as bf16 pairs in pr[kAmxKeys / 2]
+// see) as bf16 pairs in pr[kAmxKeys / 2] (F32: as fp32 in pr[kAmxKeys])
+template <bool F32 = false>
 inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, int64_t kend, float c2, Partial& ml,
                                float* ar, int64_t d, uint32_t* pr) {
   from = std::max<int64_t>(0, from);
@@ -1082,12 +1100,12 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
   constexpr int NV = kAmxKeys / 16;
   const int nv = static_cast<int>(kend / 16);
   if (visible <= from) {
-    std::memset(pr, 0, kAmxKeys / 2 * sizeof(uint32_t));
+    std::memset(pr, 0, (F32 ? kAmxKeys : kAmxKeys / 2) * sizeof(uint32_t));
     return;
   }
   if (from == 0 && visible >= kend) {
-    if (nv == NV) chunk_softmax_row<false, NV>(sc, nv, nullptr, c2, ml, ar, d, pr);
-    else chunk_softmax_row<false, 0>(sc, nv, nullptr, c2, ml, ar, d, pr);
+    if (nv == NV) chunk_softmax_row<false, NV, F32>(sc, nv, nullptr, c2, ml, ar, d, pr);
+    else chunk_softmax_row<false, 0, F32>(sc, nv, nullptr, c2, ml, ar, d, pr);
     return;
   }
   __mmask16 mk[NV];
@@ -1095,7 +1113,7 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
     const int64_t lo = std::clamp<int64_t>(from - 16 * i, 0, 16), hi = std::clamp<int64_t>(visible - 16 * i, 0, 16);
     mk[i] = hi > lo ? static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1)) : 0;
   }
-  chunk_softmax_row<true, 0>(sc, nv, mk, c2, ml, ar, d, pr);
+  chunk_softmax_row<true, 0, F32>(sc, nv, mk, c2, ml, ar, d, pr);
 }
 
 // A prompt-chunk item on the packed chunks (attend_chunk_vec, attend_chunk_amx): its queries
@@ -1107,6 +1125,7 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
 struct PackedItem {
   int64_t group, s, kv, p0, qa, qb, rows, padded, c0, c1, window;
   float c2;   // a raw score's log2 units: scale * log2(e)
+  bool f32 = false;   // fp32 probabilities, kAmxKeys words a row (attend_chunk_f32); else bf16 pairs
   // chunk k0's keys up to the last any row sees, in whole steps of 32 (on the diagonal the keys
   // past the item's last query are skipped by the products and the softmax alike: 0.97x the time
   // at 2,048 prompt queries, 0.98x at 256 after 1,792 keys on tiles, same output)
@@ -1116,26 +1135,34 @@ struct PackedItem {
                    std::vector<float>& acc, std::vector<uint32_t>& pw) const {
     const int64_t pos = p0 + qa + r / group;
     const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-    packed_softmax_row(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
-                       pw.data() + r * (kAmxKeys / 2));
+    if (f32)
+      packed_softmax_row<true>(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
+                               pw.data() + r * kAmxKeys);
+    else
+      packed_softmax_row(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
+                         pw.data() + r * (kAmxKeys / 2));
   }
 };
-inline PackedItem start_packed_item(const Item& item, const at::BFloat16* q, const int32_t* q_starts,
+// (fp32 q: the queries go to qf as fp32 [padded][d], the probabilities' rows take kAmxKeys words)
+template <typename T, typename QBuf>
+inline PackedItem start_packed_item(const Item& item, const T* q, const int32_t* q_starts,
                                     const int32_t* start_pos, int64_t h, int64_t kvh, int64_t d, float scale,
                                     int64_t window, int64_t pad, std::vector<float>& acc, std::vector<Partial>& ml,
-                                    std::vector<uint16_t>& qb16, std::vector<float>& scores, std::vector<uint32_t>& pw) {
+                                    QBuf& qb16, std::vector<float>& scores, std::vector<uint32_t>& pw) {
   PackedItem it{};
   it.group = h / kvh, it.s = item.seq, it.kv = item.kv, it.p0 = start_pos[it.s];
   it.qa = item.part * kQueryTile, it.qb = std::min<int64_t>(q_starts[it.s + 1] - q_starts[it.s], it.qa + kQueryTile);
   it.rows = (it.qb - it.qa) * it.group, it.padded = (it.rows + pad - 1) / pad * pad;
+  it.f32 = std::is_same_v<T, float>;
   qb16.assign(it.padded * d, 0);
   for (int64_t r = 0; r < it.rows; ++r)
     std::memcpy(qb16.data() + r * d,
-                q + ((q_starts[it.s] + it.qa + r / it.group) * h + it.kv * it.group + r % it.group) * d, d * 2);
+                q + ((q_starts[it.s] + it.qa + r / it.group) * h + it.kv * it.group + r % it.group) * d,
+                d * sizeof(T));
   acc.assign(it.padded * d, 0.f);
   ml.assign(it.padded, Partial{-std::numeric_limits<float>::infinity(), 0.f});
   if (scores.size() < static_cast<size_t>(pad * kAmxKeys)) scores.resize(pad * kAmxKeys);
-  pw.assign(it.padded * kAmxKeys / 2, 0u);
+  pw.assign(it.padded * (it.f32 ? kAmxKeys : kAmxKeys / 2), 0u);
   const int64_t first = window > 0 ? std::max<int64_t>(0, it.p0 + it.qa - window + 1) : 0;
   it.c0 = first / kAmxKeys, it.c1 = (it.p0 + it.qb - 1) / kAmxKeys + 1;
   it.c2 = scale * 1.4426950408889634f;
@@ -1192,6 +1219,80 @@ inline void attend_chunk_vec(const PackedItem& it, int64_t d, const uint32_t* pa
   }
 }
 #endif
+
+// Prompt chunks in fp32 (the engine's dtype on hosts without AVX512-BF16): the packed item with
+// fp32 FMAs. A chunk of kAmxKeys keys is laid out once per (sequence, kv head) as K^T
+// [d][kAmxKeys] (16 x 16 transposes) and V [kAmxKeys][d] (rows copied), keys past the sequence's
+// last as zeros; per chunk, four rows at a time, their scores (qk_chunk_f32), their softmax
+// (packed_softmax_row in log2 units, fp32 probabilities) and O += P . V (pv4). The per-block path
+// (attend_item) it replaces transposed every 32-key block for every query tile with scalar stores
+// and took the softmax per row and block through fast_exp's scalar-shaped loops.
+inline void pack_chunk_f32(const float* kpool, const float* vpool, const int32_t* table, int64_t bs, int64_t kvh,
+                           int64_t d, int64_t kv, int64_t k0, int64_t num_keys, uint32_t* dst) {
+  uint32_t* kt = dst;
+  float* vr = reinterpret_cast<float*>(dst + kAmxKeys * d);
+  auto key_at = [&](const float* pool, int64_t key) {
+    return pool + ((static_cast<int64_t>(table[key / bs]) * bs + key % bs) * kvh + kv) * d;
+  };
+  for (int64_t jb = 0; jb < kAmxKeys; jb += 16)
+    for (int64_t db = 0; db < d; db += 16)
+      pack_keys16([&](int64_t j) { return reinterpret_cast<const uint32_t*>(key_at(kpool, k0 + jb + j)); },
+                  num_keys - (k0 + jb), db, jb, kAmxKeys, kt);
+  for (int64_t j = 0; j < kAmxKeys; ++j) {
+    if (k0 + j < num_keys)
+      std::memcpy(vr + j * d, key_at(vpool, k0 + j), d * sizeof(float));
+    else
+      std::memset(vr + j * d, 0, d * sizeof(float));
+  }
+}
+
+// sc[4][kAmxKeys] = q[4][d] . kt[d][kAmxKeys] for keys jb .. jb + 16 NK - 1: 4 NK FMA chains
+template <int NK>
+inline void qk_keys_f32(const float* q, int64_t d, const float* kt, int64_t jb, float* sc) {
+  __m512 a[4][NK];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < NK; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const float* ki = kt + i * kAmxKeys + jb;
+    __m512 k[NK];
+    for (int c = 0; c < NK; ++c) k[c] = _mm512_loadu_ps(ki + 16 * c);
+    for (int c = 0; c < NK; ++c) in_reg(k[c]);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * d + i]);
+      for (int c = 0; c < NK; ++c) a[r][c] = _mm512_fmadd_ps(qv, k[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < NK; ++c) _mm512_storeu_ps(sc + r * kAmxKeys + jb + 16 * c, a[r][c]);
+}
+
+// the scores of four rows against a chunk's keys 0 .. kend - 1 (kend a multiple of 32): 64 keys a
+// pass, then a last 32
+inline void qk_chunk_f32(const float* q, int64_t d, const float* kt, int64_t kend, float* sc) {
+  int64_t jb = 0;
+  for (; jb + 64 <= kend; jb += 64) qk_keys_f32<4>(q, d, kt, jb, sc);
+  if (jb < kend) qk_keys_f32<2>(q, d, kt, jb, sc);
+}
+
+// one chunk item's attention in fp32 (d % 64 == 0; set up by start_packed_item with pad 4): acc
+// [rows4][d] and ml[rows4] as attend_item leaves them. packed: the (sequence, kv head)'s chunks
+inline void attend_chunk_f32(const PackedItem& it, int64_t d, const uint32_t* packed, std::vector<float>& acc,
+                             std::vector<Partial>& ml, const std::vector<float>& qf, std::vector<float>& scores,
+                             std::vector<uint32_t>& pw) {
+  const int64_t words = chunk_words<float>(d);
+  float* const sb = scores.data();
+  for (int64_t c = it.c0; c < it.c1; ++c) {
+    const int64_t k0 = c * kAmxKeys, kend = it.kend(k0);
+    const float* kt = reinterpret_cast<const float*>(packed + c * words);
+    const float* vr = kt + kAmxKeys * d;
+    for (int64_t rb = 0; rb < it.padded; rb += 4) {
+      qk_chunk_f32(qf.data() + rb * d, d, kt, kend, sb);
+      for (int64_t r = rb; r < std::min(rb + 4, it.rows); ++r)
+        it.softmax_row(r, sb + (r - rb) * kAmxKeys, k0, kend, d, ml, acc, pw);
+      pv4(reinterpret_cast<const float*>(pw.data()) + rb * kAmxKeys, kAmxKeys, kend, vr, d, acc.data() + rb * d);
+    }
+  }
+}
 
 #endif
 
@@ -1718,16 +1819,20 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   std::vector<int64_t> pack_off, seq_chunks;   // sized where the chunks are packed (not for decode-only steps)
   std::vector<std::array<int64_t, 3>> pack_tasks;
   static thread_local std::vector<uint32_t> packed_store;
-#if defined(FASTGEN_HAVE_AMX) || defined(FASTGEN_HAVE_CHUNK_VEC)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const bool chunks = num_decodes < num_seqs && d % 32 == 0 && d <= 256;
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
+  {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const bool chunks = num_decodes < num_seqs && d % 32 == 0 && d <= 256;
 #if defined(FASTGEN_HAVE_AMX)
-    use_amx = chunks && amx_usable();
+      use_amx = chunks && amx_usable();
 #endif
-    use_packed = use_amx;
+      use_packed = use_amx;
 #if defined(FASTGEN_HAVE_CHUNK_VEC)
-    use_packed = use_packed || (chunks && d % 64 == 0);
+      use_packed = use_packed || (chunks && d % 64 == 0);
 #endif
+    } else {   // fp32 chunks (attend_chunk_f32)
+      use_packed = num_decodes < num_seqs && d % 64 == 0;
+    }
     if (use_packed) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
     for (int64_t s = 0; use_packed && s < num_seqs; ++s) {
       const int64_t nq = q_starts[s + 1] - q_starts[s];
@@ -1735,7 +1840,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       // attend_item's per-key products: laying out all its keys would cost more than its products
       const bool packs = nq > 1 && (use_amx || nq * group >= kManyRows);
       seq_chunks[s] = packs ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
-      pack_off[s + 1] = pack_off[s] + seq_chunks[s] * kvh * amx_chunk_words(d);
+      pack_off[s + 1] = pack_off[s] + seq_chunks[s] * kvh * chunk_words<T>(d);
       const int64_t first = window > 0 ? std::max<int64_t>(0, start_pos[s] - window + 1) / kAmxKeys : 0;
       for (int64_t kv = 0; kv < kvh; ++kv)
         for (int64_t c = first; c < seq_chunks[s]; ++c) pack_tasks.push_back({s, kv, c});
@@ -1745,7 +1850,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
 #endif
   uint32_t* packed = packed_store.data();
   auto amx_at = [&](int64_t s, int64_t kv, int64_t c) {
-    return pack_off[s] + (kv * seq_chunks[s] + c) * amx_chunk_words(d);
+    return pack_off[s] + (kv * seq_chunks[s] + c) * chunk_words<T>(d);
   };
   const int64_t num_pack = static_cast<int64_t>(pack_tasks.size());
 #pragma omp parallel num_threads(num_threads) if (num_items > 1 && work > (1 << 10))
@@ -1770,6 +1875,15 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         for (int64_t t = 0; t < num_pack; ++t) {
           const auto [s, kv, c] = pack_tasks[t];
           amx_pack_chunk(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys,
+                         start_pos[s] + q_starts[s + 1] - q_starts[s], packed + amx_at(s, kv, c));
+        }
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (num_pack > 0) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_pack; ++t) {
+          const auto [s, kv, c] = pack_tasks[t];
+          pack_chunk_f32(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys,
                          start_pos[s] + q_starts[s + 1] - q_starts[s], packed + amx_at(s, kv, c));
         }
       }
@@ -1805,7 +1919,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       } else
 #endif
 #if defined(FASTGEN_HAVE_PACKED_CHUNKS)
-      if (use_packed && !decode && seq_chunks[s] > 0) {   // bf16 only: tiles (32-row blocks) or vectors (8)
+      if (use_packed && !decode && seq_chunks[s] > 0) {   // bf16: tiles (32-row blocks) or vectors (8); fp32: vectors (4)
         if constexpr (std::is_same_v<T, at::BFloat16>) {
           const PackedItem pi = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window,
                                                   use_amx ? 32 : 8, acc, ml, qb16, scores, pw);
@@ -1819,6 +1933,10 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
 #if defined(FASTGEN_HAVE_CHUNK_VEC)
           if (!use_amx) attend_chunk_vec(pi, d, chunks, acc, ml, qb16, scores, pw);
 #endif
+        } else if constexpr (std::is_same_v<T, float>) {
+          const PackedItem pi = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window, 4, acc, ml,
+                                                  qf, scores, pw);
+          attend_chunk_f32(pi, d, packed + amx_at(s, item.kv, 0), acc, ml, qf, scores, pw);
         }
       } else
 #endif
