@@ -1869,23 +1869,17 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     grow(vf, bs * d);
     bool tiles = false;   // this thread configured the tiles (released at the end)
 #if defined(FASTGEN_HAVE_PACKED_CHUNKS)
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (num_pack > 0) {
+    if (num_pack > 0) {   // (bf16 pairs for the tiles and vdpbf16ps, fp32 K^T and V for the FMAs)
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < num_pack; ++t) {
-          const auto [s, kv, c] = pack_tasks[t];
-          amx_pack_chunk(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys,
-                         start_pos[s] + q_starts[s + 1] - q_starts[s], packed + amx_at(s, kv, c));
-        }
-      }
-    } else if constexpr (std::is_same_v<T, float>) {
-      if (num_pack > 0) {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < num_pack; ++t) {
-          const auto [s, kv, c] = pack_tasks[t];
-          pack_chunk_f32(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys,
-                         start_pos[s] + q_starts[s + 1] - q_starts[s], packed + amx_at(s, kv, c));
-        }
+      for (int64_t t = 0; t < num_pack; ++t) {
+        const auto [s, kv, c] = pack_tasks[t];
+        const int64_t num_keys = start_pos[s] + q_starts[s + 1] - q_starts[s];
+        if constexpr (std::is_same_v<T, at::BFloat16>)
+          amx_pack_chunk(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys, num_keys,
+                         packed + amx_at(s, kv, c));
+        else
+          pack_chunk_f32(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys, num_keys,
+                         packed + amx_at(s, kv, c));
       }
     }
 #endif

@@ -37,10 +37,10 @@ inline float fast_exp(float x) {
 }
 
 #if defined(__AVX512F__)
-// fast_exp's steps on 16 lanes from the clamp on (x in [-87, 88]); p * 2^fi by vscalefps, exact
-// there as the exponent bits fast_exp builds are
-inline __m512 fast_exp16_clamped(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+// 2^t on 16 lanes to fast_exp's precision (relative error ~1e-7: its degree-6 polynomial in f =
+// t - round(t), 2^round(t) by vscalefps), for fp32 probabilities (the fp32 prompt-chunk softmax,
+// cpu_kernels.cpp), where fast_exp2_16's 7.5e-5 would show in fp32 outputs
+inline __m512 exp2_16(__m512 t) {
   const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, fi);
   __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
@@ -52,6 +52,11 @@ inline __m512 fast_exp16_clamped(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, fi);
 }
+
+// fast_exp's steps on 16 lanes from the clamp on (x in [-87, 88]): 2^(x log2 e) by exp2_16, the
+// same operations as fast_exp's; p * 2^fi by vscalefps, exact there as the exponent bits
+// fast_exp builds are
+inline __m512 fast_exp16_clamped(__m512 x) { return exp2_16(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
 
 // fast_exp on 16 lanes (the same steps; NaN goes to exp(-87), as max_ps returns the clamp)
 inline __m512 fast_exp16(__m512 x) {
@@ -82,23 +87,6 @@ inline __m512 fast_exp2_16(__m512 t) {
 }
 #endif
 
-#if defined(__AVX512F__)
-// 2^t on 16 lanes to fast_exp's precision (relative error ~1e-7: its degree-6 polynomial in f =
-// t - round(t), 2^round(t) by vscalefps), for fp32 probabilities (the fp32 prompt-chunk softmax,
-// cpu_kernels.cpp), where fast_exp2_16's 7.5e-5 would show in fp32 outputs
-inline __m512 exp2_16(__m512 t) {
-  const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, fi);
-}
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 // fast_exp on 8 lanes (the same steps; AVX2 hosts)
