@@ -4,12 +4,15 @@
 The build takes ``-march=native``, so a test run sees only the code paths of its own CPU: for two
 days of AMX-host sessions the kernels did not compile on hosts without AMX (a constant defined
 inside the AMX block), and those hosts fell back to PyTorch ops. Here every source is compiled
-(syntax and template instantiation, no code generation) for an AVX2 host (Zen 3 / Haswell class),
+(to object code at -O0: an intrinsic inlined where its instructions are not enabled fails only at
+code generation, which a syntax-only pass missed on 12-06: the fp32 chunk attention's bf16 branch
+on hosts without AVX512-BF16) for an AVX2 host (Zen 3 / Haswell class),
 an AVX-512 + VNNI host without AVX512-BF16 or AMX (Ice Lake server), and one with AVX512-BF16 but
 no AMX (Cooper Lake, as Zen 4). ``FASTGEN_KERNEL_MARCH`` builds and runs those kernels on a host
 whose CPU has the instructions (docs/architecture.md, Kernels)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +26,8 @@ def _compile(arch: str, source: str) -> subprocess.CompletedProcess:
     from torch.utils.cpp_extension import get_cxx_compiler, include_paths
 
     flags = [f if not f.startswith("-march=") else f"-march={arch}" for f in kernels.CFLAGS]
-    cmd = [get_cxx_compiler(), "-std=c++17", "-fsyntax-only", *flags, *(f"-I{p}" for p in include_paths()),
-           f"-I{sysconfig.get_paths()['include']}", source]
+    cmd = [get_cxx_compiler(), "-std=c++17", *flags, "-O0", "-c", "-o", os.devnull,
+           *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}", source]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 

@@ -213,9 +213,11 @@ def test_bad_inputs_are_rejected_with_a_message():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 def test_register_blocked_chunk_path(dtype, d, window, amx):
-    """bs = 32 and a head dim that is a multiple of 64 take the four-rows-at-a-time path; 41
-    queries x 3 heads leave remainder rows for the one-row path. A window of 37 keys starts
-    inside a block and skips whole blocks before it."""
+    """bs = 32 and a head dim that is a multiple of 64: on hosts with AVX512-BF16 (bf16) or
+    AVX-512 (fp32) the packed chunks (attend_chunk_vec, attend_chunk_f32), else the per-block path
+    four rows at a time (qk4 / pv4; a build with FASTGEN_KERNEL_MARCH=cascadelake runs it for bf16
+    here); 41 queries x 3 heads leave remainder rows for the one-row path. A window of 37 keys
+    starts inside a block and skips whole blocks before it."""
     g = torch.Generator().manual_seed(d)
     bs, kvh = 32, 2
     kp = torch.randn(20, bs, kvh, d, generator=g).to(dtype)

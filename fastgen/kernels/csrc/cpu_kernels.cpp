@@ -1082,10 +1082,15 @@ inline void chunk_softmax_row(const float* sc, int nv, const __mmask16* mk, floa
     for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), cv));
   }
   ml = Partial{mx, ml.l * corr + _mm512_reduce_add_ps(sum)};
-  if constexpr (F32)   // fp32 probabilities (attend_chunk_f32)
+  if constexpr (F32) {   // fp32 probabilities (attend_chunk_f32; also on hosts without AVX512-BF16)
     for (int i = 0; i < n; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(pr) + 16 * i, v[i]);
-  else
+  } else {
+#if defined(__AVX512BF16__)
     for (int i = 0; i < n; i += 2) _mm512_storeu_si512(pr + 8 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
+#else
+    static_assert(F32, "bf16 probabilities need AVX512-BF16 (the tiles and attend_chunk_vec, which have it)");
+#endif
+  }
 }
 
 // One row's online softmax over a packed chunk's scores sc[0 .. kend) (kend a multiple of 16),
@@ -1125,22 +1130,20 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
 struct PackedItem {
   int64_t group, s, kv, p0, qa, qb, rows, padded, c0, c1, window;
   float c2;   // a raw score's log2 units: scale * log2(e)
-  bool f32 = false;   // fp32 probabilities, kAmxKeys words a row (attend_chunk_f32); else bf16 pairs
   // chunk k0's keys up to the last any row sees, in whole steps of 32 (on the diagonal the keys
   // past the item's last query are skipped by the products and the softmax alike: 0.97x the time
   // at 2,048 prompt queries, 0.98x at 256 after 1,792 keys on tiles, same output)
   int64_t kend(int64_t k0) const { return std::min<int64_t>(kAmxKeys, (p0 + qb - k0 + 31) / 32 * 32); }
-  // row r's online softmax over chunk k0's scores sc[0 .. kend) (packed_softmax_row)
+  // row r's online softmax over chunk k0's scores sc[0 .. kend) (packed_softmax_row); F32: fp32
+  // probabilities, kAmxKeys words a row (attend_chunk_f32), else bf16 pairs (a compile-time choice:
+  // the bf16 pairs' conversion does not build without AVX512-BF16, where the fp32 path runs)
+  template <bool F32 = false>
   void softmax_row(int64_t r, const float* sc, int64_t k0, int64_t kend, int64_t d, std::vector<Partial>& ml,
                    std::vector<float>& acc, std::vector<uint32_t>& pw) const {
     const int64_t pos = p0 + qa + r / group;
     const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-    if (f32)
-      packed_softmax_row<true>(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
-                               pw.data() + r * kAmxKeys);
-    else
-      packed_softmax_row(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
-                         pw.data() + r * (kAmxKeys / 2));
+    packed_softmax_row<F32>(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
+                            pw.data() + r * (F32 ? kAmxKeys : kAmxKeys / 2));
   }
 };
 // (fp32 q: the queries go to qf as fp32 [padded][d], the probabilities' rows take kAmxKeys words)
@@ -1153,7 +1156,6 @@ inline PackedItem start_packed_item(const Item& item, const T* q, const int32_t*
   it.group = h / kvh, it.s = item.seq, it.kv = item.kv, it.p0 = start_pos[it.s];
   it.qa = item.part * kQueryTile, it.qb = std::min<int64_t>(q_starts[it.s + 1] - q_starts[it.s], it.qa + kQueryTile);
   it.rows = (it.qb - it.qa) * it.group, it.padded = (it.rows + pad - 1) / pad * pad;
-  it.f32 = std::is_same_v<T, float>;
   qb16.assign(it.padded * d, 0);
   for (int64_t r = 0; r < it.rows; ++r)
     std::memcpy(qb16.data() + r * d,
@@ -1162,7 +1164,7 @@ inline PackedItem start_packed_item(const Item& item, const T* q, const int32_t*
   acc.assign(it.padded * d, 0.f);
   ml.assign(it.padded, Partial{-std::numeric_limits<float>::infinity(), 0.f});
   if (scores.size() < static_cast<size_t>(pad * kAmxKeys)) scores.resize(pad * kAmxKeys);
-  pw.assign(it.padded * (it.f32 ? kAmxKeys : kAmxKeys / 2), 0u);
+  pw.assign(it.padded * (std::is_same_v<T, float> ? kAmxKeys : kAmxKeys / 2), 0u);
   const int64_t first = window > 0 ? std::max<int64_t>(0, it.p0 + it.qa - window + 1) : 0;
   it.c0 = first / kAmxKeys, it.c1 = (it.p0 + it.qb - 1) / kAmxKeys + 1;
   it.c2 = scale * 1.4426950408889634f;
@@ -1288,7 +1290,7 @@ inline void attend_chunk_f32(const PackedItem& it, int64_t d, const uint32_t* pa
     for (int64_t rb = 0; rb < it.padded; rb += 4) {
       qk_chunk_f32(qf.data() + rb * d, d, kt, kend, sb);
       for (int64_t r = rb; r < std::min(rb + 4, it.rows); ++r)
-        it.softmax_row(r, sb + (r - rb) * kAmxKeys, k0, kend, d, ml, acc, pw);
+        it.softmax_row<true>(r, sb + (r - rb) * kAmxKeys, k0, kend, d, ml, acc, pw);
       pv4(reinterpret_cast<const float*>(pw.data()) + rb * kAmxKeys, kAmxKeys, kend, vr, d, acc.data() + rb * d);
     }
   }
