@@ -382,40 +382,31 @@ struct Item {
 };
 
 #if defined(__AVX512F__)
-// v held in a register: GCC otherwise folds a vector loaded once and used by several FMAs into each
-// of them as a memory operand, one load per FMA (four loads of each K or V vector in qk4 / pv4).
-// Measured on the Zen 4 host (fp32, SmolLM2's heads, one process switching builds' paths call by
-// call, same output): the prompt-chunk attention 0.77x the time at 2,048 queries, 0.85x at 256
-// after 1,792 keys. (The decode's pv_rows, bound by the pool's reads, measured 1.13-1.17x with it:
-// not there.)
-inline void in_reg(__m512& v) { asm volatile("" : "+v"(v)); }
-
 // Four rows at a time, so that eight (QK) or sixteen (PV) independent FMA chains hide the
 // FMA latency; one row at a time is latency-bound (measured 47 against 80 GFLOP/s for the
 // per-key dot products, which at least overlap across keys).
+// sc[r][jb .. jb + 16 NK) = q[r][d] . kt[d][jb .. jb + 16 NK) for rows r = 0..3, kt's and sc's
+// rows ld apart: 4 NK FMA chains, each K vector held in a register (in_reg)
+template <int NK>
+inline void qk4_keys(const float* q, int64_t d, const float* kt, int64_t ld, int64_t jb, float* sc) {
+  __m512 a[4][NK];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < NK; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    __m512 k[NK];
+    for (int c = 0; c < NK; ++c) k[c] = _mm512_loadu_ps(kt + i * ld + jb + 16 * c), in_reg(k[c]);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * d + i]);
+      for (int c = 0; c < NK; ++c) a[r][c] = _mm512_fmadd_ps(qv, k[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < NK; ++c) _mm512_storeu_ps(sc + r * ld + jb + 16 * c, a[r][c]);
+}
+
 // sc[4][bs] = q[4][d] . kt[d][bs]   (bs % 32 == 0)
 inline void qk4(const float* q, int64_t d, const float* kt, int64_t bs, float* sc) {
-  for (int64_t jb = 0; jb < bs; jb += 32) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(),
-           b1 = _mm512_setzero_ps(), c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(),
-           e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; ++i) {
-      __m512 k0 = _mm512_loadu_ps(kt + i * bs + jb), k1 = _mm512_loadu_ps(kt + i * bs + jb + 16);
-      in_reg(k0), in_reg(k1);
-      __m512 qv = _mm512_set1_ps(q[i]);
-      a0 = _mm512_fmadd_ps(qv, k0, a0), a1 = _mm512_fmadd_ps(qv, k1, a1);
-      qv = _mm512_set1_ps(q[d + i]);
-      b0 = _mm512_fmadd_ps(qv, k0, b0), b1 = _mm512_fmadd_ps(qv, k1, b1);
-      qv = _mm512_set1_ps(q[2 * d + i]);
-      c0 = _mm512_fmadd_ps(qv, k0, c0), c1 = _mm512_fmadd_ps(qv, k1, c1);
-      qv = _mm512_set1_ps(q[3 * d + i]);
-      e0 = _mm512_fmadd_ps(qv, k0, e0), e1 = _mm512_fmadd_ps(qv, k1, e1);
-    }
-    _mm512_storeu_ps(sc + jb, a0), _mm512_storeu_ps(sc + jb + 16, a1);
-    _mm512_storeu_ps(sc + bs + jb, b0), _mm512_storeu_ps(sc + bs + jb + 16, b1);
-    _mm512_storeu_ps(sc + 2 * bs + jb, c0), _mm512_storeu_ps(sc + 2 * bs + jb + 16, c1);
-    _mm512_storeu_ps(sc + 3 * bs + jb, e0), _mm512_storeu_ps(sc + 3 * bs + jb + 16, e1);
-  }
+  for (int64_t jb = 0; jb < bs; jb += 32) qk4_keys<2>(q, d, kt, bs, jb, sc);
 }
 
 // acc[4][d] += p[4][bs] . vf[n][d]   (d % 64 == 0)
@@ -1146,19 +1137,20 @@ struct PackedItem {
                             pw.data() + r * (F32 ? kAmxKeys : kAmxKeys / 2));
   }
 };
-// (fp32 q: the queries go to qf as fp32 [padded][d], the probabilities' rows take kAmxKeys words)
+// (qbuf: bf16 q as bf16 [padded][d] for the bf16 items, fp32 q as fp32 for attend_chunk_f32, whose
+// probabilities' rows take kAmxKeys words)
 template <typename T, typename QBuf>
 inline PackedItem start_packed_item(const Item& item, const T* q, const int32_t* q_starts,
                                     const int32_t* start_pos, int64_t h, int64_t kvh, int64_t d, float scale,
                                     int64_t window, int64_t pad, std::vector<float>& acc, std::vector<Partial>& ml,
-                                    QBuf& qb16, std::vector<float>& scores, std::vector<uint32_t>& pw) {
+                                    QBuf& qbuf, std::vector<float>& scores, std::vector<uint32_t>& pw) {
   PackedItem it{};
   it.group = h / kvh, it.s = item.seq, it.kv = item.kv, it.p0 = start_pos[it.s];
   it.qa = item.part * kQueryTile, it.qb = std::min<int64_t>(q_starts[it.s + 1] - q_starts[it.s], it.qa + kQueryTile);
   it.rows = (it.qb - it.qa) * it.group, it.padded = (it.rows + pad - 1) / pad * pad;
-  qb16.assign(it.padded * d, 0);
+  qbuf.assign(it.padded * d, 0);
   for (int64_t r = 0; r < it.rows; ++r)
-    std::memcpy(qb16.data() + r * d,
+    std::memcpy(qbuf.data() + r * d,
                 q + ((q_starts[it.s] + it.qa + r / it.group) * h + it.kv * it.group + r % it.group) * d,
                 d * sizeof(T));
   acc.assign(it.padded * d, 0.f);
@@ -1248,32 +1240,12 @@ inline void pack_chunk_f32(const float* kpool, const float* vpool, const int32_t
   }
 }
 
-// sc[4][kAmxKeys] = q[4][d] . kt[d][kAmxKeys] for keys jb .. jb + 16 NK - 1: 4 NK FMA chains
-template <int NK>
-inline void qk_keys_f32(const float* q, int64_t d, const float* kt, int64_t jb, float* sc) {
-  __m512 a[4][NK];
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < NK; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; ++i) {
-    const float* ki = kt + i * kAmxKeys + jb;
-    __m512 k[NK];
-    for (int c = 0; c < NK; ++c) k[c] = _mm512_loadu_ps(ki + 16 * c);
-    for (int c = 0; c < NK; ++c) in_reg(k[c]);
-    for (int r = 0; r < 4; ++r) {
-      const __m512 qv = _mm512_set1_ps(q[r * d + i]);
-      for (int c = 0; c < NK; ++c) a[r][c] = _mm512_fmadd_ps(qv, k[c], a[r][c]);
-    }
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < NK; ++c) _mm512_storeu_ps(sc + r * kAmxKeys + jb + 16 * c, a[r][c]);
-}
-
 // the scores of four rows against a chunk's keys 0 .. kend - 1 (kend a multiple of 32): 64 keys a
-// pass, then a last 32
+// pass (qk4_keys, 16 chains), then a last 32
 inline void qk_chunk_f32(const float* q, int64_t d, const float* kt, int64_t kend, float* sc) {
   int64_t jb = 0;
-  for (; jb + 64 <= kend; jb += 64) qk_keys_f32<4>(q, d, kt, jb, sc);
-  if (jb < kend) qk_keys_f32<2>(q, d, kt, jb, sc);
+  for (; jb + 64 <= kend; jb += 64) qk4_keys<4>(q, d, kt, kAmxKeys, jb, sc);
+  if (jb < kend) qk4_keys<2>(q, d, kt, kAmxKeys, jb, sc);
 }
 
 // one chunk item's attention in fp32 (d % 64 == 0; set up by start_packed_item with pad 4): acc
@@ -1822,33 +1794,31 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   std::vector<std::array<int64_t, 3>> pack_tasks;
   static thread_local std::vector<uint32_t> packed_store;
 #if defined(FASTGEN_HAVE_PACKED_CHUNKS)
-  {
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      const bool chunks = num_decodes < num_seqs && d % 32 == 0 && d <= 256;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const bool chunks = num_decodes < num_seqs && d % 32 == 0 && d <= 256;
 #if defined(FASTGEN_HAVE_AMX)
-      use_amx = chunks && amx_usable();
+    use_amx = chunks && amx_usable();
 #endif
-      use_packed = use_amx;
+    use_packed = use_amx;
 #if defined(FASTGEN_HAVE_CHUNK_VEC)
-      use_packed = use_packed || (chunks && d % 64 == 0);
+    use_packed = use_packed || (chunks && d % 64 == 0);
 #endif
-    } else {   // fp32 chunks (attend_chunk_f32)
-      use_packed = num_decodes < num_seqs && d % 64 == 0;
-    }
-    if (use_packed) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
-    for (int64_t s = 0; use_packed && s < num_seqs; ++s) {
-      const int64_t nq = q_starts[s + 1] - q_starts[s];
-      // on the vector path a chunk of fewer rows than kManyRows (query x head) stays with
-      // attend_item's per-key products: laying out all its keys would cost more than its products
-      const bool packs = nq > 1 && (use_amx || nq * group >= kManyRows);
-      seq_chunks[s] = packs ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
-      pack_off[s + 1] = pack_off[s] + seq_chunks[s] * kvh * chunk_words<T>(d);
-      const int64_t first = window > 0 ? std::max<int64_t>(0, start_pos[s] - window + 1) / kAmxKeys : 0;
-      for (int64_t kv = 0; kv < kvh; ++kv)
-        for (int64_t c = first; c < seq_chunks[s]; ++c) pack_tasks.push_back({s, kv, c});
-    }
-    if (use_packed && packed_store.size() < static_cast<size_t>(pack_off[num_seqs])) packed_store.resize(pack_off[num_seqs]);
+  } else {   // fp32 chunks (attend_chunk_f32)
+    use_packed = num_decodes < num_seqs && d % 64 == 0;
   }
+  if (use_packed) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
+  for (int64_t s = 0; use_packed && s < num_seqs; ++s) {
+    const int64_t nq = q_starts[s + 1] - q_starts[s];
+    // on the vector path a chunk of fewer rows than kManyRows (query x head) stays with
+    // attend_item's per-key products: laying out all its keys would cost more than its products
+    const bool packs = nq > 1 && (use_amx || nq * group >= kManyRows);
+    seq_chunks[s] = packs ? (start_pos[s] + nq + kAmxKeys - 1) / kAmxKeys : 0;
+    pack_off[s + 1] = pack_off[s] + seq_chunks[s] * kvh * chunk_words<T>(d);
+    const int64_t first = window > 0 ? std::max<int64_t>(0, start_pos[s] - window + 1) / kAmxKeys : 0;
+    for (int64_t kv = 0; kv < kvh; ++kv)
+      for (int64_t c = first; c < seq_chunks[s]; ++c) pack_tasks.push_back({s, kv, c});
+  }
+  if (use_packed && packed_store.size() < static_cast<size_t>(pack_off[num_seqs])) packed_store.resize(pack_off[num_seqs]);
 #endif
   uint32_t* packed = packed_store.data();
   auto amx_at = [&](int64_t s, int64_t kv, int64_t c) {

@@ -87,7 +87,6 @@ inline __m512 fast_exp2_16(__m512 t) {
 }
 #endif
 
-
 #if defined(__AVX2__) && defined(__FMA__)
 // fast_exp on 8 lanes (the same steps; AVX2 hosts)
 inline __m256 fast_exp8(__m256 x) {

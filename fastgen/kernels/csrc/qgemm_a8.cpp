@@ -419,48 +419,30 @@ void unpack_panel(const uint8_t* qw, const uint16_t* scales, const uint16_t* min
 // two FMAs (scale, minimum): with vpdpbusd on the FMA pipes that caps the loop near 8 / 11 of
 // vpdpbusd's rate, where it runs (perf: ~75%). Group 0 stores into out without reading it
 // (no zeroing pass: 2-3% of the product's time at 256-2,048 rows). x's vectors and the rows'
-// scales (d, e) are held in registers by an empty asm: GCC had folded them into every vpdpbusd,
-// multiply and FMA that reads them as a memory operand, one load each (the same output bit for
-// bit; 12-06, thirteenth session, on the Zen 4 host, one process switching call by call: SmolLM2's four layer
-// products at 2,048 rows 0.980x the time, the 2,048-token prefill 0.988x, faster in 9 of 12).
+// scales (d, e) are held in registers (in_reg, quant_rows.h: GCC had folded them into every
+// vpdpbusd, multiply and FMA that reads them; one process switching call by call: SmolLM2's four
+// layer products at 2,048 rows 0.980x the time, the 2,048-token prefill 0.988x).
 #if defined(FASTGEN_A8_VNNI)
 template <int H, bool First>
 inline void group_a8(const int32_t* xg, const float* dxg, const float* dsumg, const uint32_t* ug, const float* sg,
                      const float* mg, float* out) {
   __m512i acc[H][NR8];
-  {
-    __m512i xv[H];
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) {
-      xv[h] = _mm512_load_si512(xg + 16 * h);
-      asm volatile("" : "+v"(xv[h]));   // held in a register (below)
-    }
-#pragma GCC unroll 16
-    for (int c = 0; c < NR8; ++c) {
-      const __m512i wb = _mm512_set1_epi32(static_cast<int>(ug[c]));
-#pragma GCC unroll 4
-      for (int h = 0; h < H; ++h) acc[h][c] = _mm512_dpbusd_epi32(zeroed_si512(), wb, xv[h]);
-    }
-  }
 #pragma GCC unroll 8
-  for (int j = 1; j < 8; ++j) {
+  for (int j = 0; j < 8; ++j) {   // step 0 starts the sums from zero (zeroed_si512)
     __m512i xv[H];
 #pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) {
-      xv[h] = _mm512_load_si512(xg + j * MB8 + 16 * h);
-      asm volatile("" : "+v"(xv[h]));   // held in a register (below)
-    }
+    for (int h = 0; h < H; ++h) xv[h] = _mm512_load_si512(xg + j * MB8 + 16 * h), in_reg(xv[h]);
 #pragma GCC unroll 16
     for (int c = 0; c < NR8; ++c) {
       const __m512i wb = _mm512_set1_epi32(static_cast<int>(ug[j * NR8 + c]));
 #pragma GCC unroll 4
-      for (int h = 0; h < H; ++h) acc[h][c] = _mm512_dpbusd_epi32(acc[h][c], wb, xv[h]);
+      for (int h = 0; h < H; ++h) acc[h][c] = _mm512_dpbusd_epi32(j == 0 ? zeroed_si512() : acc[h][c], wb, xv[h]);
     }
   }
 #pragma GCC unroll 4
   for (int h = 0; h < H; ++h) {
     __m512 d = _mm512_load_ps(dxg + 16 * h), e = _mm512_load_ps(dsumg + 16 * h);
-    asm volatile("" : "+v"(d), "+v"(e));
+    in_reg(d), in_reg(e);
 #pragma GCC unroll 16
     for (int c = 0; c < NR8; ++c) {
       float* o = out + c * MB8 + 16 * h;

@@ -68,6 +68,14 @@ inline __m512 zeroed_ps() {
   asm volatile("vxorps %0, %0, %0" : "=v"(z));
   return z;
 }
+// v held in a register: GCC otherwise folds a vector loaded once and read by several FMAs or
+// vpdpbusd into each of them as a memory operand, one load each (four loads of each K or V vector
+// in the attention's qk4 / pv4, eight of x's in qgemm_a8's group_a8). Measured on the Zen 4 host,
+// the same output bit for bit: the fp32 prompt-chunk attention 0.77x the time at 2,048 queries,
+// 0.85x at 256 after 1,792 keys; the 2,048-token prefill's qgemm_a8 0.988x. (The fp32 decode's
+// pv_rows, bound by the pool's reads, measured 1.13-1.17x with it: not there.)
+inline void in_reg(__m512& v) { asm volatile("" : "+v"(v)); }
+inline void in_reg(__m512i& v) { asm volatile("" : "+v"(v)); }
 #endif
 
 // n fp16 values (bits) -> fp32, exactly
