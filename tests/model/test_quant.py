@@ -231,6 +231,7 @@ def test_int8_activation_gemm_is_its_rounding_of_x_times_the_exact_weights(dtype
     q = QuantWeight(quantize(torch.randn(n, k, generator=g), bits), None).quant
     x = torch.randn(rows, k, generator=g).to(dtype)
     x[3, :32] = 0                              # a group of zeros (its scale must not be 0 / 0)
+    q.scales[n // 2, k // 64] = 0              # a W group of equal weights (GGUF writes scale 0)
     bias = torch.randn(n, generator=g)
     want = _int8_per_group(x) @ q.dequantize().T + bias
     got = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, bias)
