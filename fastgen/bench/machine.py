@@ -27,7 +27,8 @@ WEIGHT_BYTES_FORMULA = (
 BANDWIDTH_BOUND_RULE = (
     "decode bound bandwidth = the highest read-only bandwidth measured (sum of a big tensor, "
     "1 GiB or 64 MiB with --quick, fp32 and bf16, and of a tensor as large as the weights, fp32 "
-    "and model dtype); the copy is shown for reference only")
+    "and model dtype; the weight-sized read in the model dtype again just before and after "
+    "batch-1 decode's steps); the copy is shown for reference only")
 BUSY_CPUS_WARNING = 0.25
 
 
