@@ -373,6 +373,9 @@ inline int64_t amx_chunk_words(int64_t d) { return kAmxKeys * d; }   // kw + vw,
 // and V [kAmxKeys][d] as they are (attend_chunk_f32)
 template <typename T>
 inline int64_t chunk_words(int64_t d) { return std::is_same_v<T, float> ? 2 * kAmxKeys * d : amx_chunk_words(d); }
+// a row's probabilities over a chunk, in 32-bit words: fp32 values (F32) or bf16 pairs
+template <bool F32>
+constexpr int64_t kProbWords = F32 ? kAmxKeys : kAmxKeys / 2;
 
 constexpr int64_t kQueryTile = 32;
 constexpr int64_t kManyRows = 8;
@@ -1096,7 +1099,7 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
   constexpr int NV = kAmxKeys / 16;
   const int nv = static_cast<int>(kend / 16);
   if (visible <= from) {
-    std::memset(pr, 0, (F32 ? kAmxKeys : kAmxKeys / 2) * sizeof(uint32_t));
+    std::memset(pr, 0, kProbWords<F32> * sizeof(uint32_t));
     return;
   }
   if (from == 0 && visible >= kend) {
@@ -1134,7 +1137,7 @@ struct PackedItem {
     const int64_t pos = p0 + qa + r / group;
     const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
     packed_softmax_row<F32>(sc, first - k0, pos - k0 + 1, kend, c2, ml[r], acc.data() + r * d, d,
-                            pw.data() + r * (F32 ? kAmxKeys : kAmxKeys / 2));
+                            pw.data() + r * kProbWords<F32>);
   }
 };
 // (qbuf: bf16 q as bf16 [padded][d] for the bf16 items, fp32 q as fp32 for attend_chunk_f32, whose
@@ -1156,7 +1159,7 @@ inline PackedItem start_packed_item(const Item& item, const T* q, const int32_t*
   acc.assign(it.padded * d, 0.f);
   ml.assign(it.padded, Partial{-std::numeric_limits<float>::infinity(), 0.f});
   if (scores.size() < static_cast<size_t>(pad * kAmxKeys)) scores.resize(pad * kAmxKeys);
-  pw.assign(it.padded * (std::is_same_v<T, float> ? kAmxKeys : kAmxKeys / 2), 0u);
+  pw.assign(it.padded * kProbWords<std::is_same_v<T, float>>, 0u);
   const int64_t first = window > 0 ? std::max<int64_t>(0, it.p0 + it.qa - window + 1) : 0;
   it.c0 = first / kAmxKeys, it.c1 = (it.p0 + it.qb - 1) / kAmxKeys + 1;
   it.c2 = scale * 1.4426950408889634f;
@@ -1786,7 +1789,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     work += (start_pos[s] + q_starts[s + 1] - q_starts[s]) * (q_starts[s + 1] - q_starts[s]) * h;
   // prompt chunks on AMX tiles (bf16): their keys and values laid out once per (sequence, kv
   // head), in chunks of kAmxKeys keys, before the items run (pack_tasks: (sequence, kv, chunk));
-  // sequence s's kv head kv's chunk c at packed + amx_at(s, kv, c). With a sliding window, the
+  // sequence s's kv head kv's chunk c at packed + chunk_at(s, kv, c). With a sliding window, the
   // chunks before the first query's window are left out (no query of the step reads them)
   // (hosts with AVX512-BF16 but no tiles: the same packed chunks, attend_chunk_vec)
   bool use_amx = false, use_packed = false;
@@ -1821,7 +1824,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   if (use_packed && packed_store.size() < static_cast<size_t>(pack_off[num_seqs])) packed_store.resize(pack_off[num_seqs]);
 #endif
   uint32_t* packed = packed_store.data();
-  auto amx_at = [&](int64_t s, int64_t kv, int64_t c) {
+  auto chunk_at = [&](int64_t s, int64_t kv, int64_t c) {
     return pack_off[s] + (kv * seq_chunks[s] + c) * chunk_words<T>(d);
   };
   const int64_t num_pack = static_cast<int64_t>(pack_tasks.size());
@@ -1848,10 +1851,10 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         const int64_t num_keys = start_pos[s] + q_starts[s + 1] - q_starts[s];
         if constexpr (std::is_same_v<T, at::BFloat16>)
           amx_pack_chunk(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys, num_keys,
-                         packed + amx_at(s, kv, c));
+                         packed + chunk_at(s, kv, c));
         else
           pack_chunk_f32(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys, num_keys,
-                         packed + amx_at(s, kv, c));
+                         packed + chunk_at(s, kv, c));
       }
     }
 #endif
@@ -1889,7 +1892,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         if constexpr (std::is_same_v<T, at::BFloat16>) {
           const PackedItem pi = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window,
                                                   use_amx ? 32 : 8, acc, ml, qb16, scores, pw);
-          const uint32_t* chunks = packed + amx_at(s, item.kv, 0);
+          const uint32_t* chunks = packed + chunk_at(s, item.kv, 0);
 #if defined(FASTGEN_HAVE_AMX)
           if (use_amx) {
             if (!tiles) amx_configure(), tiles = true;
@@ -1902,7 +1905,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         } else if constexpr (std::is_same_v<T, float>) {
           const PackedItem pi = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window, 4, acc, ml,
                                                   qf, scores, pw);
-          attend_chunk_f32(pi, d, packed + amx_at(s, item.kv, 0), acc, ml, qf, scores, pw);
+          attend_chunk_f32(pi, d, packed + chunk_at(s, item.kv, 0), acc, ml, qf, scores, pw);
         }
       } else
 #endif
