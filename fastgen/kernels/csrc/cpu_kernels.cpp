@@ -2289,12 +2289,87 @@ inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
   return tail + a;
 }
 
+#if defined(__AVX512F__)
+// dot1's vector part for k a multiple of its vector step (kGemvStep<T>), its four sums added
+// but not reduced: gemv_impl reduces sixteen rows' vectors at once (reduce16) and stores their
+// sixteen outputs together, where dot1 ends each row with a horizontal sum of its own. SmolLM2's
+// 120 layer products at one row from memory, one process alternating the two (30 rounds each,
+// Zen 4, 2 threads, 12-06): bf16 0.927x the time (faster in 27 of 30), 0.72 -> 0.78 of a plain
+// read of the same bytes in the same rounds; fp32 0.962x (26 of 30), 0.82 -> 0.85. A row's
+// sum is added in another order than dot1's (the last bit of an fp32 output may differ).
+template <typename T>
+constexpr int64_t kGemvStep = std::is_same_v<T, float> ? 16 : 32;
+
+template <typename T>
+inline __m512 dotv(const float* xr, const T* xraw, const T* wr, int64_t k) {
+  __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(), v3 = _mm512_setzero_ps();
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    for (; i + 128 <= k; i += 128) {
+      const char* ahead = reinterpret_cast<const char*>(wr + i) + kPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      _mm_prefetch(ahead + 64, _MM_HINT_T1);
+      _mm_prefetch(ahead + 128, _MM_HINT_T1);
+      _mm_prefetch(ahead + 192, _MM_HINT_T1);
+      v0 = _mm512_dpbf16_ps(v0, (__m512bh)_mm512_loadu_si512(xraw + i), (__m512bh)_mm512_loadu_si512(wr + i));
+      v1 = _mm512_dpbf16_ps(v1, (__m512bh)_mm512_loadu_si512(xraw + i + 32), (__m512bh)_mm512_loadu_si512(wr + i + 32));
+      v2 = _mm512_dpbf16_ps(v2, (__m512bh)_mm512_loadu_si512(xraw + i + 64), (__m512bh)_mm512_loadu_si512(wr + i + 64));
+      v3 = _mm512_dpbf16_ps(v3, (__m512bh)_mm512_loadu_si512(xraw + i + 96), (__m512bh)_mm512_loadu_si512(wr + i + 96));
+    }
+    for (; i + 32 <= k; i += 32)
+      v0 = _mm512_dpbf16_ps(v0, (__m512bh)_mm512_loadu_si512(xraw + i), (__m512bh)_mm512_loadu_si512(wr + i));
+  }
+#endif
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 64 <= k; i += 64) {
+      const char* ahead = reinterpret_cast<const char*>(wr + i) + kPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      _mm_prefetch(ahead + 64, _MM_HINT_T1);
+      _mm_prefetch(ahead + 128, _MM_HINT_T1);
+      _mm_prefetch(ahead + 192, _MM_HINT_T1);
+      v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(wr + i), v0);
+      v1 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(wr + i + 16), v1);
+      v2 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 32), _mm512_loadu_ps(wr + i + 32), v2);
+      v3 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 48), _mm512_loadu_ps(wr + i + 48), v3);
+    }
+    for (; i + 16 <= k; i += 16) v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(wr + i), v0);
+  }
+  return _mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3));
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kGemvBf16Dot = true;
+#else
+constexpr bool kGemvBf16Dot = false;
+#endif
+#endif
+
 template <typename T>
 void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
   std::vector<float> xf(m * k);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
+#if defined(__AVX512F__)
+  const bool blocks = k % kGemvStep<T> == 0 && (std::is_same_v<T, float> || kGemvBf16Dot);
+#else
+  const bool blocks = false;
+#endif
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t o = n0; o < n1; ++o) {
+    int64_t o = n0;
+#if defined(__AVX512F__)
+    if (blocks) {
+      for (; o + 16 <= n1; o += 16)
+        for (int64_t r = 0; r < m; ++r) {
+          __m512 v[16];
+          for (int i = 0; i < 16; ++i) v[i] = dotv<T>(xf.data() + r * k, x + r * k, w + (o + i) * k, k);
+          __m512 sum = reduce16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+          alignas(64) float t[16];
+          _mm512_store_ps(t, sum);
+          for (int i = 0; i < 16; ++i) store(y, r * n + o + i, t[i] + (bias != nullptr ? load(bias, o + i) : 0.f));
+        }
+    }
+#endif
+    for (; o < n1; ++o) {
       const T* wr = w + o * k;
       const float b = bias != nullptr ? load(bias, o) : 0.f;
       for (int64_t r = 0; r < m; ++r) store(y, r * n + o, dot1<T>(xf.data() + r * k, x + r * k, wr, k) + b);
