@@ -2230,75 +2230,26 @@ constexpr int64_t kPrefetchBytes = 4096;  // ahead of the stream: rows are conti
 // memory took 0.92-0.94x the time (fp32) and 0.87-0.88x (bf16) of prefetcht0's, 88-96% of a
 // plain read of the same bytes (Zen 4, two 20-round A/Bs each; 8 KiB ahead, or two rows at a
 // time with every line of the thread's stream prefetched once, measured no better).
-template <typename T>
-inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
-  int64_t i = 0;
-  float tail = 0.f;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    // vdpbf16ps: exact bf16 products, fp32 sums; x is bf16 already, so nothing is lost
-    __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(),
-           v3 = _mm512_setzero_ps();
-    for (; i + 128 <= k; i += 128) {
-      const char* ahead = reinterpret_cast<const char*>(wr + i) + kPrefetchBytes;
-      _mm_prefetch(ahead, _MM_HINT_T1);
-      _mm_prefetch(ahead + 64, _MM_HINT_T1);
-      _mm_prefetch(ahead + 128, _MM_HINT_T1);
-      _mm_prefetch(ahead + 192, _MM_HINT_T1);
-      v0 = _mm512_dpbf16_ps(v0, (__m512bh)_mm512_loadu_si512(xraw + i), (__m512bh)_mm512_loadu_si512(wr + i));
-      v1 = _mm512_dpbf16_ps(v1, (__m512bh)_mm512_loadu_si512(xraw + i + 32),
-                            (__m512bh)_mm512_loadu_si512(wr + i + 32));
-      v2 = _mm512_dpbf16_ps(v2, (__m512bh)_mm512_loadu_si512(xraw + i + 64),
-                            (__m512bh)_mm512_loadu_si512(wr + i + 64));
-      v3 = _mm512_dpbf16_ps(v3, (__m512bh)_mm512_loadu_si512(xraw + i + 96),
-                            (__m512bh)_mm512_loadu_si512(wr + i + 96));
-    }
-    for (; i + 32 <= k; i += 32)
-      v0 = _mm512_dpbf16_ps(v0, (__m512bh)_mm512_loadu_si512(xraw + i), (__m512bh)_mm512_loadu_si512(wr + i));
-    tail = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
-  }
-#endif
+//
+// dotv is its vector part, for k a multiple of the vector step (kGemvStep<T>; kGemvVector<T>:
+// whether this build has the loop for T, bf16 needing AVX512-BF16), its four sums added but not
+// reduced: dot1 reduces it for one row, gemv_impl sixteen rows' vectors at once (reduce16),
+// storing their sixteen outputs together, where every row used to end with a horizontal sum of
+// its own. SmolLM2's 120 layer products at one row from memory, one process alternating the two
+// (30 rounds each, Zen 4, 2 threads, 12-06): bf16 0.927x the time (faster in 27 of 30), 0.72 ->
+// 0.78 of a plain read of the same bytes in the same rounds; fp32 0.962x (26 of 30), 0.82 ->
+// 0.85. Sixteen rows' sums are added in another order than dot1's (an fp32 output's last bit
+// may differ between the two paths; each output takes one of them, whatever the rows of x).
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps(), v2 = _mm512_setzero_ps(),
-           v3 = _mm512_setzero_ps();
-    for (; i + 64 <= k; i += 64) {
-      const char* ahead = reinterpret_cast<const char*>(wr + i) + kPrefetchBytes;
-      _mm_prefetch(ahead, _MM_HINT_T1);
-      _mm_prefetch(ahead + 64, _MM_HINT_T1);
-      _mm_prefetch(ahead + 128, _MM_HINT_T1);
-      _mm_prefetch(ahead + 192, _MM_HINT_T1);
-      v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(wr + i), v0);
-      v1 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(wr + i + 16), v1);
-      v2 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 32), _mm512_loadu_ps(wr + i + 32), v2);
-      v3 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i + 48), _mm512_loadu_ps(wr + i + 48), v3);
-    }
-    for (; i + 16 <= k; i += 16) v0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + i), _mm512_loadu_ps(wr + i), v0);
-    tail = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
-  }
-#endif
-  // the rest (k not a multiple of the vector steps), entered only where there is one: GCC sums
-  // the simd loop's 16 lanes one after another even when it runs no iteration, a chain of 16
-  // dependent adds a row (Zen 4, one thread, a cached 1,536 x 576 bf16 weight: 29.1 -> 20.2 ns a
-  // row; SmolLM2's bf16 head from memory 1,941 -> 1,484 us, fp32 3,206 -> 2,360 us)
-  float a = 0.f;
-  if (i < k) {
-#pragma omp simd reduction(+ : a)
-    for (int64_t j = i; j < k; ++j) a += xr[j] * load(wr, j);
-  }
-  return tail + a;
-}
-
-#if defined(__AVX512F__)
-// dot1's vector part for k a multiple of its vector step (kGemvStep<T>), its four sums added
-// but not reduced: gemv_impl reduces sixteen rows' vectors at once (reduce16) and stores their
-// sixteen outputs together, where dot1 ends each row with a horizontal sum of its own. SmolLM2's
-// 120 layer products at one row from memory, one process alternating the two (30 rounds each,
-// Zen 4, 2 threads, 12-06): bf16 0.927x the time (faster in 27 of 30), 0.72 -> 0.78 of a plain
-// read of the same bytes in the same rounds; fp32 0.962x (26 of 30), 0.82 -> 0.85. A row's
-// sum is added in another order than dot1's (the last bit of an fp32 output may differ).
 template <typename T>
 constexpr int64_t kGemvStep = std::is_same_v<T, float> ? 16 : 32;
+#if defined(__AVX512BF16__)
+template <typename T>
+constexpr bool kGemvVector = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+#else
+template <typename T>
+constexpr bool kGemvVector = std::is_same_v<T, float>;
+#endif
 
 template <typename T>
 inline __m512 dotv(const float* xr, const T* xraw, const T* wr, int64_t k) {
@@ -2338,19 +2289,36 @@ inline __m512 dotv(const float* xr, const T* xraw, const T* wr, int64_t k) {
   return _mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3));
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kGemvBf16Dot = true;
-#else
-constexpr bool kGemvBf16Dot = false;
 #endif
+
+template <typename T>
+inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
+  int64_t i = 0;
+  float tail = 0.f;
+#if defined(__AVX512F__)
+  if constexpr (kGemvVector<T>) {
+    i = k - k % kGemvStep<T>;
+    tail = _mm512_reduce_add_ps(dotv<T>(xr, xraw, wr, i));
+  }
 #endif
+  // the rest (k not a multiple of the vector steps), entered only where there is one: GCC sums
+  // the simd loop's 16 lanes one after another even when it runs no iteration, a chain of 16
+  // dependent adds a row (Zen 4, one thread, a cached 1,536 x 576 bf16 weight: 29.1 -> 20.2 ns a
+  // row; SmolLM2's bf16 head from memory 1,941 -> 1,484 us, fp32 3,206 -> 2,360 us)
+  float a = 0.f;
+  if (i < k) {
+#pragma omp simd reduction(+ : a)
+    for (int64_t j = i; j < k; ++j) a += xr[j] * load(wr, j);
+  }
+  return tail + a;
+}
 
 template <typename T>
 void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
   std::vector<float> xf(m * k);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
 #if defined(__AVX512F__)
-  const bool blocks = k % kGemvStep<T> == 0 && (std::is_same_v<T, float> || kGemvBf16Dot);
+  const bool blocks = kGemvVector<T> && k % kGemvStep<T> == 0;
 #else
   const bool blocks = false;
 #endif
