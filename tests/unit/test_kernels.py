@@ -138,7 +138,7 @@ def test_long_context_decode_is_split_and_merged_exactly(dtype, window):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8])
-# remainders of every vector loop; (40, 160): two blocks of 16 rows summed together and 8 rows alone
+# remainders of every vector loop; (40, 160): in bf16 two blocks of 16 rows summed together and 8 rows alone
 @pytest.mark.parametrize("shape", [(96, 64), (50, 72), (7, 33), (40, 160)])
 def test_gemv_matches_linear(dtype, rows, shape):
     g = torch.Generator().manual_seed(rows)

@@ -2235,11 +2235,13 @@ constexpr int64_t kPrefetchBytes = 4096;  // ahead of the stream: rows are conti
 // whether this build has the loop for T, bf16 needing AVX512-BF16), its four sums added but not
 // reduced: dot1 reduces it for one row, gemv_impl sixteen rows' vectors at once (reduce16),
 // storing their sixteen outputs together, where every row used to end with a horizontal sum of
-// its own. SmolLM2's 120 layer products at one row from memory, one process alternating the two
-// (30 rounds each, Zen 4, 2 threads, 12-06): bf16 0.927x the time (faster in 27 of 30), 0.72 ->
-// 0.78 of a plain read of the same bytes in the same rounds; fp32 0.962x (26 of 30), 0.82 ->
-// 0.85. Sixteen rows' sums are added in another order than dot1's (an fp32 output's last bit
-// may differ between the two paths; each output takes one of them, whatever the rows of x).
+// its own, for bf16 weights. SmolLM2's 120 layer products from memory, one process alternating
+// the two (20-30 rounds each, Zen 4, 2 threads, 12-06), bf16: one row of x 0.927-0.979x the time
+// (faster in 27-28 of 30; 0.72 -> 0.78 of a plain read of the same bytes in the same rounds), 2 /
+// 4 / 8 rows 0.956x / 0.846x / 0.968x (19-20 of 20). fp32 rows keep dot1: one row 0.962x in a
+// first A/B, 0.999-1.004x in three later ones, 2-8 rows 1.10-1.22x. Sixteen rows' sums are added
+// in another order than dot1's (an output's last bit may differ between the two paths; each
+// output takes one of them, whatever the rows of x).
 #if defined(__AVX512F__)
 template <typename T>
 constexpr int64_t kGemvStep = std::is_same_v<T, float> ? 16 : 32;
@@ -2318,7 +2320,9 @@ void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n
   std::vector<float> xf(m * k);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
 #if defined(__AVX512F__)
-  const bool blocks = kGemvVector<T> && k % kGemvStep<T> == 0;
+  // bf16 only: fp32 rows are twice the bytes, and there the blocks measured level at one row
+  // and slower at 2-8 (each block's 16 rows read again for every row of x: 1.10-1.22x)
+  const bool blocks = std::is_same_v<T, at::BFloat16> && kGemvVector<T> && k % kGemvStep<T> == 0;
 #else
   const bool blocks = false;
 #endif
