@@ -2317,8 +2317,6 @@ inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
 
 template <typename T>
 void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
-  std::vector<float> xf(m * k);
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = load(x, i);
 #if defined(__AVX512F__)
   // bf16 only: fp32 rows are twice the bytes, and there the blocks measured level at one row
   // and slower at 2-8 (each block's 16 rows read again for every row of x: 1.10-1.22x)
@@ -2326,6 +2324,11 @@ void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n
 #else
   const bool blocks = false;
 #endif
+  // x in fp32, for the fp32 loops and the scalar rest; where the blocks apply every row of x is
+  // read as bf16 by vdpbf16ps (k has no rest), so none is made
+  std::vector<float> xf(blocks ? 0 : m * k);
+  for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = load(x, i);
+  auto xrow = [&](int64_t r) -> const float* { return blocks ? nullptr : xf.data() + r * k; };
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     int64_t o = n0;
 #if defined(__AVX512F__)
@@ -2333,7 +2336,7 @@ void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n
       for (; o + 16 <= n1; o += 16)
         for (int64_t r = 0; r < m; ++r) {
           __m512 v[16];
-          for (int i = 0; i < 16; ++i) v[i] = dotv<T>(xf.data() + r * k, x + r * k, w + (o + i) * k, k);
+          for (int i = 0; i < 16; ++i) v[i] = dotv<T>(xrow(r), x + r * k, w + (o + i) * k, k);
           __m512 sum = reduce16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
           alignas(64) float t[16];
           _mm512_store_ps(t, sum);
@@ -2344,7 +2347,7 @@ void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n
     for (; o < n1; ++o) {
       const T* wr = w + o * k;
       const float b = bias != nullptr ? load(bias, o) : 0.f;
-      for (int64_t r = 0; r < m; ++r) store(y, r * n + o, dot1<T>(xf.data() + r * k, x + r * k, wr, k) + b);
+      for (int64_t r = 0; r < m; ++r) store(y, r * n + o, dot1<T>(xrow(r), x + r * k, wr, k) + b);
     }
   });
 }
