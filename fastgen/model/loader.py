@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from ..config import cache_dir
 from ..errors import ModelLoadError
 from .gguf_file import GgufHeader, GgufTensor, read_header
-from .huge_pages import move_quantized_to_huge_pages
+from .huge_pages import move_to_huge_pages
 from .quant import QuantRows, from_gguf, gguf_kind, quantize
 from .registry import family, gguf_family, model_config
 from .spec import GgufNames, ModelConfig, Split
@@ -355,7 +355,7 @@ def load_model(path: str, *, dtype: torch.dtype, device: torch.device, max_posit
         from ..parallel.layers import finish_formats
 
         finish_formats(model, shards, group)
-    move_quantized_to_huge_pages(model)   # CPU rows only: what a decode step streams, onto 2 MiB pages
+    move_to_huge_pages(model)   # CPU rows only: what a decode step streams, onto 2 MiB pages
     quant = weights = None   # the rows as read (fused or moved since): freed before the trim below
     _return_freed_memory()
     return model

@@ -1,5 +1,6 @@
-"""The quantized rows moved onto 2 MiB pages (fastgen/model/huge_pages.py): the same bytes, one
-buffer, shared rows still shared, the same logits bit for bit."""
+"""The decode weights moved onto 2 MiB pages (fastgen/model/huge_pages.py): quantized rows and the
+plain weights of the native GEMV, the same bytes, one buffer, shared rows still shared, the same
+logits bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -21,14 +22,14 @@ def _built():
         pytest.fail("fastgen's native kernels did not build on this host")
 
 
-def _load(tmp_path, monkeypatch, on: bool):
+def _load(tmp_path, monkeypatch, on: bool, quantization: str = "int4"):
     """SmolLM2's shape in miniature: a tied head (its rows are the embedding's), int4 rows."""
     path = tmp_path / "ckpt"
     if not path.exists():
         random_checkpoint(_tiny_configs()["llama-tied-llama3-rope"], path)
     monkeypatch.setenv(huge_pages.ENV, "1" if on else "0")
     model = load_model(str(path), dtype=torch.bfloat16, device=torch.device("cpu"), max_positions=256,
-                       kernels="native", quantization="int4")
+                       kernels="native", quantization=quantization)
     return model, ModelConfig.from_hf(load_hf_config(str(path)))
 
 
@@ -72,8 +73,31 @@ def test_quantized_rows_move_into_one_buffer_and_compute_the_same(tmp_path, monk
 def test_nothing_moves_where_turned_off_or_without_huge_pages(tmp_path, monkeypatch):
     model, _ = _load(tmp_path, monkeypatch, on=False)
     ptrs = [r.qweight.data_ptr() for r in _rows(model)]
-    assert huge_pages.move_quantized_to_huge_pages(model) == 0          # FASTGEN_HUGE_PAGES=0
+    assert huge_pages.move_to_huge_pages(model) == 0          # FASTGEN_HUGE_PAGES=0
     monkeypatch.setenv(huge_pages.ENV, "1")
     monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
-    assert huge_pages.move_quantized_to_huge_pages(model) == 0
+    assert huge_pages.move_to_huge_pages(model) == 0
     assert [r.qweight.data_ptr() for r in _rows(model)] == ptrs
+
+
+def test_dense_gemv_weights_move_too_and_a_tied_embedding_follows(tmp_path, monkeypatch):
+    """``quantization=none``: every GemvDenseWeight's weight lands in one buffer in model order, the
+    tied embedding's parameter is the head's moved rows (one copy, not two), the logits unchanged."""
+    if huge_pages.thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"this kernel gives no transparent huge pages (setting: {huge_pages.thp_mode()})")
+    before, cfg = _load(tmp_path, monkeypatch, on=False, quantization="none")
+    after, _ = _load(tmp_path, monkeypatch, on=True, quantization="none")
+    old = [getattr(o, a) for o, a in huge_pages._dense_holders(before)]
+    new = [getattr(o, a) for o, a in huge_pages._dense_holders(after)]
+    # the layers' four products each and the tied head
+    assert len(new) == len(old) == 4 * TINY["num_hidden_layers"] + 1
+    for a, b in zip(old, new):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr() and b.data_ptr() % huge_pages.ALIGN == 0
+    # in the order the layers call them, back to back
+    starts = [b.data_ptr() for b in new]
+    assert starts == sorted(starts)
+    end = starts[-1] + new[-1].numel() * new[-1].element_size()
+    assert end - starts[0] <= sum(-(-(b.numel() * b.element_size()) // huge_pages.ALIGN) * huge_pages.ALIGN for b in new)
+    assert after.embed_tokens.weight.data_ptr() == after.head.format.weight.data_ptr()
+    for g, w in zip(_logits(after, cfg), _logits(before, cfg)):
+        assert torch.equal(g, w)
