@@ -230,8 +230,8 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     # in a slow one flatters the ratio (12-06, Zen 4, fp32: batch-1 decode at 113.9% of a 35.4 GB/s
     # bound read at the run's start, its steps streaming 40 GB/s); the highest figure serves
     def read_beside() -> float:
-        return measure_read(costs.weight_bytes, engine.config.dtype, engine.config.device, sizes,
-                            "weight-sized, beside batch-1 decode").gbps
+        return max(measure_read(costs.weight_bytes, engine.config.dtype, engine.config.device, sizes,
+                                "weight-sized, beside batch-1 decode", huge_pages=huge).gbps for huge in (False, True))
     beside = [read_beside()] if 1 in sizes.decode_batches else []
     decode = []
     for b in tqdm(sizes.decode_batches, desc="decode", leave=False, disable=None):
