@@ -103,7 +103,13 @@ def test_templates_receive_tools(smollm2_path):
     aware = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
     messages, tools = with_tools(history, plan, aware)
     assert messages == history and tools[0]["function"]["name"] == "get_weather"
+    # the loader caches a GGUF's tokenizer for the process: the template goes back afterwards (left
+    # set, every later test's chat request in this process met it and failed)
+    original = tok.chat_template
     tok.chat_template = aware
-    assert apply_chat_template(tok, messages, tools).startswith("[get_weather]user:Weather in Oslo?;")
+    try:
+        assert apply_chat_template(tok, messages, tools).startswith("[get_weather]user:Weather in Oslo?;")
+    finally:
+        tok.chat_template = original
     none = ToolPlan.build([WEATHER], "none", None)
     assert with_tools(history[:1], none, aware) == (history[:1], None)
