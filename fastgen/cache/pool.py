@@ -4,8 +4,7 @@ Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``
 a sequence lives in block ``block_table[t // block_size]`` at offset
 ``t % block_size``; its flat *slot* is ``block_id * block_size + offset``. Everything
 is allocated once, in the constructor; the hot path only writes into and reads from
-these tensors. On CPU they lie in one mapping advised for 2 MiB pages (``_on_huge_pages``),
-faulted in as steps first write into it.
+these tensors.
 
 With ``kv_dtype="int8"`` (``kv_cache_dtype`` of the engine) each (token, KV head) row of K
 and V is stored as int8 values ``q`` and one fp32 scale ``s``: ``x ~ q * s``, ``s = max|x| / 127``,
@@ -30,37 +29,6 @@ def int8_layout_error(head_dim: int, block_size: int) -> str | None:
         return (f"kv_cache_dtype='int8' needs a head dim and block_size divisible by 4, got {head_dim} and "
                 f"{block_size}")
     return None
-
-
-def _on_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
-    """CPU tensors of these shapes and dtypes in one anonymous mapping advised for 2 MiB pages
-    (Linux transparent huge pages, fastgen/model/huge_pages.py), each on a cache line, reading as
-    zeros; None where the host gives none or ``FASTGEN_HUGE_PAGES=0``.
-
-    Decode attention reads blocks that lie anywhere in the pool: on 4 KiB pages nearly every block
-    is a TLB miss. The pages are not touched here: each is faulted in (zeroed by the kernel) when
-    a step first writes a key into it, so the start pays nothing for the pool (``torch.zeros`` of
-    2 GB: 0.44 s; faulting all of it in as huge pages at start cost 2-10 s on this VM, whose
-    never-touched memory is slow to fault) and the process's memory grows with the KV in use."""
-    import os
-
-    from ..model.huge_pages import ALIGN, ENV, huge_page_buffer
-
-    if os.environ.get(ENV, "1") == "0":
-        return None
-    sizes = [torch.Size(sh).numel() * torch.empty((), dtype=dt).element_size() for sh, dt in specs]
-    padded = [(b + ALIGN - 1) // ALIGN * ALIGN for b in sizes]
-    try:
-        buf = huge_page_buffer(sum(padded))
-    except OSError:   # a mapping the kernel refuses (more than it could ever back): torch.zeros says so
-        return None
-    if buf is None:
-        return None
-    out, offset = [], 0
-    for (sh, dt), nbytes, step in zip(specs, sizes, padded):
-        out.append(buf[offset:offset + nbytes].view(dt).view(sh))
-        offset += step
-    return out
 
 
 def token_bytes(kv_elems_per_token: int, head_dim: int, dtype: torch.dtype, kv_dtype: str) -> int:
@@ -102,16 +70,12 @@ class KVPool:
         n = num_blocks + spare_blocks
         shape = (n, block_size, num_kv_heads, head_dim)
         store = torch.int8 if self.quantized else dtype
+        self.keys = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
         scales = (n, num_kv_heads, block_size)
         layers = range(num_layers) if self.quantized else ()   # the scales: an int8 pool's only
-        specs = [(shape, store)] * (2 * num_layers) + [(scales, torch.float32)] * (2 * len(layers))
-        tensors = _on_huge_pages(specs) if device.type == "cpu" else None
-        self.on_huge_pages = tensors is not None
-        if tensors is None:
-            tensors = [torch.zeros(sh, dtype=dt, device=device) for sh, dt in specs]
-        self.keys, self.values = tensors[:num_layers], tensors[num_layers:2 * num_layers]
-        self.key_scales = tensors[2 * num_layers:2 * num_layers + len(layers)]
-        self.value_scales = tensors[2 * num_layers + len(layers):]
+        self.key_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in layers]
+        self.value_scales = [torch.zeros(scales, dtype=torch.float32, device=device) for _ in layers]
 
     @property
     def spare_slot(self) -> int | None:

@@ -101,37 +101,3 @@ def test_dense_gemv_weights_move_too_and_a_tied_embedding_follows(tmp_path, monk
     assert after.embed_tokens.weight.data_ptr() == after.head.format.weight.data_ptr()
     for g, w in zip(_logits(after, cfg), _logits(before, cfg)):
         assert torch.equal(g, w)
-
-
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_kv_pool_lies_on_huge_pages_reads_zeros_and_holds_what_is_written(monkeypatch, kv_dtype):
-    """The KV pool in one mapping advised for 2 MiB pages (untouched until a step writes it): every
-    layer's keys, values (and an int8 pool's scales) in it, back to back, reading as zeros like
-    ``torch.zeros``; ``FASTGEN_HUGE_PAGES=0`` gives plain tensors."""
-    from fastgen.cache.pool import KVPool
-
-    kw = dict(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
-              device=torch.device("cpu"), kv_dtype=kv_dtype)
-    monkeypatch.setenv(huge_pages.ENV, "0")
-    plain = KVPool(**kw)
-    assert not plain.on_huge_pages
-    monkeypatch.setenv(huge_pages.ENV, "1")
-    pool = KVPool(**kw)
-    if huge_pages.thp_mode() not in ("always", "madvise"):
-        assert not pool.on_huge_pages
-        return
-    assert pool.on_huge_pages
-    tensors = pool.keys + pool.values + pool.key_scales + pool.value_scales
-    assert len(tensors) == (12 if kv_dtype == "int8" else 6)
-    for t, p in zip(tensors, plain.keys + plain.values + plain.key_scales + plain.value_scales):
-        assert t.shape == p.shape and t.dtype == p.dtype and t.data_ptr() % huge_pages.ALIGN == 0
-        assert not t.any()
-    starts = [t.data_ptr() for t in tensors]
-    assert starts == sorted(starts)
-    end = starts[-1] + tensors[-1].numel() * tensors[-1].element_size()
-    assert end - starts[0] <= sum(-(-(t.numel() * t.element_size()) // huge_pages.ALIGN) * huge_pages.ALIGN
-                                  for t in tensors)
-    # the layers do not overlap: what one holds, the others do not see
-    for i, t in enumerate(tensors):
-        t.fill_(i + 1)
-    assert all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
