@@ -163,27 +163,35 @@ def prompt_roofline(costs: "ModelCosts", num_tokens: int, products_gflops: float
     return total / ((total - attention) / products_gflops + attention / attention_gflops)
 
 
-def measure_read(num_bytes: int, dtype: torch.dtype, device: torch.device, sizes: Sizes,
-                 label: str, huge_pages: bool = False) -> Bandwidth:
-    """Read bandwidth: ``x.sum()`` over ``num_bytes`` of ``dtype``; bytes moved = num_bytes.
-    ``huge_pages``: x on 2 MiB pages where the host gives them (CPU, Linux THP), as the weights a
-    decode step streams lie (fastgen/model/huge_pages.py), else where the allocator puts it."""
-    elem_bytes = torch.empty((), dtype=dtype).element_size()
-    buf = None
-    if huge_pages and device.type == "cpu":
-        from ..model.huge_pages import huge_page_buffer
-
-        buf = huge_page_buffer(num_bytes // elem_bytes * elem_bytes)
-    if buf is not None:
-        x = buf.view(dtype).fill_(1)
-        label = f"{label}, 2 MiB pages"
-    else:
-        x = torch.ones(num_bytes // elem_bytes, dtype=dtype, device=device)
+def _read(x: torch.Tensor, device: torch.device, sizes: Sizes, label: str, dtype: torch.dtype) -> Bandwidth:
+    """Read bandwidth of ``x.sum()``; bytes moved = x's bytes."""
     with torch.inference_mode():
         times = time_calls(x.sum, device, num_warmup=1, num_repeats=3 * sizes.num_repeats,
                            max_s=sizes.max_measure_s, desc=f"read {label}")
-    moved = x.numel() * elem_bytes
+    moved = x.numel() * x.element_size()
     return Bandwidth("sum (read)", label, str(dtype), moved, moved / min(times) / 1e9, Summary.of(times))
+
+
+def measure_read(num_bytes: int, dtype: torch.dtype, device: torch.device, sizes: Sizes,
+                 label: str) -> Bandwidth:
+    """Read bandwidth: ``x.sum()`` over ``num_bytes`` of ``dtype``; bytes moved = num_bytes."""
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    return _read(torch.ones(num_bytes // elem_bytes, dtype=dtype, device=device), device, sizes, label, dtype)
+
+
+def measure_read_huge_pages(num_bytes: int, dtype: torch.dtype, device: torch.device, sizes: Sizes,
+                            label: str) -> Bandwidth | None:
+    """:func:`measure_read` of a buffer on 2 MiB pages, as the weights a decode step streams lie
+    (fastgen/model/huge_pages.py); None where the host gives none (not CPU, not Linux, no THP)."""
+    if device.type != "cpu":
+        return None
+    from ..model.huge_pages import huge_page_buffer
+
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    buf = huge_page_buffer(num_bytes // elem_bytes * elem_bytes)
+    if buf is None:
+        return None
+    return _read(buf.view(dtype).fill_(1), device, sizes, f"{label}, 2 MiB pages", dtype)
 
 
 def measure_copy(num_bytes: int, device: torch.device, sizes: Sizes) -> Bandwidth:
@@ -219,10 +227,9 @@ def measure_machine(engine, costs: ModelCosts, sizes: Sizes) -> MachineLimits:
         reads.append(measure_read(costs.weight_bytes, dtype, device, sizes, f"weight-sized {dtype}"))
     # the weights lie on 2 MiB pages where the host gives them: so does one read of their size
     # (a 4 KiB-page read of 256 MB measured 0.93x the rate of the same read on 2 MiB pages, Zen 4)
-    if device.type == "cpu":
-        huge = measure_read(costs.weight_bytes, dtype, device, sizes, f"weight-sized {dtype}", huge_pages=True)
-        if huge.label.endswith("2 MiB pages"):
-            reads.append(huge)
+    huge = measure_read_huge_pages(costs.weight_bytes, dtype, device, sizes, f"weight-sized {dtype}")
+    if huge is not None:
+        reads.append(huge)
     copy = measure_copy(sizes.bandwidth_bytes, device, sizes)
     return MachineLimits(torch.get_num_threads(), matmul, (*reads, copy), max(r.gbps for r in reads))
 

@@ -71,14 +71,20 @@ def huge_page_buffer(num_bytes: int) -> torch.Tensor | None:
     return whole[start:start + num_bytes]
 
 
+def _formats(model: torch.nn.Module):
+    """``(module, its weight format)`` for every module, a tensor-parallel format unwrapped to the
+    rank's inner one (fastgen/parallel/layers.py); the format None where the module has none."""
+    for m in model.modules():
+        fmt = getattr(m, "format", None)
+        yield m, getattr(fmt, "inner", fmt)
+
+
 def _quant_holders(model: torch.nn.Module) -> list[tuple[object, str]]:
     """``(object, attribute)`` of every QuantRows the model's hot paths read: the formats of its
     linear layers (the output head included; a tensor-parallel format's inner one), a quantized
     embedding, and the model's own reference to a tied embedding's rows."""
     holders: list[tuple[object, str]] = []
-    for m in model.modules():
-        fmt = getattr(m, "format", None)
-        fmt = getattr(fmt, "inner", fmt)     # fastgen/parallel/layers.py wraps the rank's format
+    for m, fmt in _formats(model):
         if type(fmt) is QuantWeight:
             holders.append((fmt, "quant"))
         if isinstance(m, QuantEmbedding):
@@ -92,9 +98,7 @@ def _dense_holders(model: torch.nn.Module) -> list[tuple[object, str]]:
     """``(format, attribute)`` of every plain weight and bias the native GEMV streams for decode
     rows (``GemvDenseWeight``: ``quantization=none`` on CPU; a tensor-parallel format's inner one)."""
     holders: list[tuple[object, str]] = []
-    for m in model.modules():
-        fmt = getattr(m, "format", None)
-        fmt = getattr(fmt, "inner", fmt)
+    for _, fmt in _formats(model):
         if type(fmt) is GemvDenseWeight:
             holders += [(fmt, "weight")] + ([(fmt, "bias")] if fmt.bias is not None else [])
     return holders
