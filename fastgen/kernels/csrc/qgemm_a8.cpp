@@ -176,9 +176,11 @@ inline void micro_a8_avx2(const int32_t* xa, const float* dx, const float* dsum,
 // largest |x|; quantize(r, live, g, iv, sum) its 32 values times iv rounded and saturated to
 // int8, as eight 4-byte words in k order (a 256-bit vector), and their int32 sum spread over the
 // lanes of *sum.
+// lanes: the layout of the lane kernels (qgemm_a8_lanes) instead, xa as int8 [tiles of 8 rows][groups][8][32]
+// (a row's group as its 32 bytes in k order), dx and dsum [tiles][groups][8]
 template <typename MaxAbs, typename Quantize>
 inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx, float* dsum, MaxAbs max_abs,
-                            Quantize quantize) {
+                            Quantize quantize, bool lanes = false) {
   const int64_t groups = k / 32;
   alignas(64) float inv[16];
   for (int v0 = 0; v0 < MB8; v0 += 16) {
@@ -186,7 +188,19 @@ inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float
     const __mmask16 live_mask = static_cast<__mmask16>((1u << live) - 1);
     for (int64_t g = 0; g < groups; ++g) {
       int32_t* xg = xa + g * 8 * MB8 + v0;
-      if (live == 0) {
+      // the lane kernels' layout: tiles of 8 rows, a tile's groups one after another, a group's
+      // 8 rows of 32 bytes each (k order), dx and dsum [tile][group][8]
+      const int64_t t0 = (r0 + v0) / 8;
+      int8_t* const xl[2] = {reinterpret_cast<int8_t*>(xa) + (t0 * groups + g) * 256,
+                             reinterpret_cast<int8_t*>(xa) + ((t0 + 1) * groups + g) * 256};
+      float* const dl[2] = {dx + (t0 * groups + g) * 8, dx + ((t0 + 1) * groups + g) * 8};
+      float* const el[2] = {dsum + (t0 * groups + g) * 8, dsum + ((t0 + 1) * groups + g) * 8};
+      if (lanes && live == 0) {
+        for (int r = 0; r < 16; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(xl[r / 8] + 32 * (r % 8)), _mm256_setzero_si256());
+        for (int h = 0; h < 2; ++h) _mm256_store_ps(dl[h], _mm256_setzero_ps()), _mm256_store_ps(el[h], _mm256_setzero_ps());
+        continue;
+      }
+      if (!lanes && live == 0) {
         for (int j = 0; j < 8; ++j) _mm512_store_si512(xg + j * MB8, _mm512_setzero_si512());
         _mm512_store_ps(dx + g * MB8 + v0, _mm512_setzero_ps());
         _mm512_store_ps(dsum + g * MB8 + v0, _mm512_setzero_ps());
@@ -208,6 +222,14 @@ inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float
       const __m512i sum = _mm512_castps_si512(reduce16(v, [](__m512 a, __m512 b) {
         return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
       }));
+      if (lanes) {
+        for (int r = 0; r < 16; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(xl[r / 8] + 32 * (r % 8)), w[r]);
+        const __m512 dv = _mm512_maskz_mov_ps(live_mask, d);
+        const __m512 ev = _mm512_maskz_mov_ps(live_mask, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
+        _mm256_store_ps(dl[0], _mm512_castps512_ps256(dv)), _mm256_store_ps(dl[1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dv), 1)));
+        _mm256_store_ps(el[0], _mm512_castps512_ps256(ev)), _mm256_store_ps(el[1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ev), 1)));
+        continue;
+      }
       transpose8x8_epi32(w);
       transpose8x8_epi32(w + 8);
       for (int j = 0; j < 8; ++j)
@@ -219,7 +241,8 @@ inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float
 }
 
 // fp32 x: two vectors a row and group
-inline void quantize_block(const float* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx, float* dsum) {
+inline void quantize_block(const float* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx, float* dsum,
+                           bool lanes = false) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   auto half = [&](int64_t r, bool live, int64_t g, int h) {
     return live ? _mm512_loadu_ps(x + r * k + g * 32 + 16 * h) : _mm512_setzero_ps();
@@ -233,7 +256,7 @@ inline void quantize_block(const float* x, int64_t m, int64_t k, int64_t r0, int
         const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(half(r, live, g, 1), iv));
         *sum = _mm512_add_epi32(qa, qb);
         return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(qa)), _mm512_cvtsepi32_epi8(qb), 1);
-      });
+      }, lanes);
 }
 
 // bf16 x: a row's group is one 64-byte vector of 32 values, never widened in element order. |x|
@@ -247,7 +270,7 @@ inline void quantize_block(const float* x, int64_t m, int64_t k, int64_t r0, int
 // transposes above, 2,048 rows x 576 of bf16: 0.6 against 1.05 cycles a value (the widening
 // loads (vpmovzxwd) and two narrowings a row cost most of it)
 inline void quantize_block(const at::BFloat16* x, int64_t m, int64_t k, int64_t r0, int32_t* xa, float* dx,
-                           float* dsum) {
+                           float* dsum, bool lanes = false) {
   const __m512i abs16 = _mm512_set1_epi16(0x7FFF), lo16 = _mm512_set1_epi32(0xFFFF);
   const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   // per 8 bytes after the pack and narrowing: x0 x2 x4 x6 x1 x3 x5 x7 -> x0 .. x7
@@ -268,7 +291,7 @@ inline void quantize_block(const at::BFloat16* x, int64_t m, int64_t k, int64_t 
         const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(raw, hi16)), iv));
         *sum = _mm512_add_epi32(qe, qo);
         return _mm256_shuffle_epi8(_mm512_cvtsepi16_epi8(_mm512_packs_epi32(qe, qo)), order);
-      });
+      }, lanes);
 }
 #endif
 
@@ -586,7 +609,7 @@ void quantize_rows_few(const T* x, int64_t m, int64_t k, int8_t* xq, float* dx, 
 }
 
 // fp16 values [16 features][groups] (feature rows `groups` apart) -> fp32 [groups][16]
-inline void features_by_group(const uint16_t* const* rows, int64_t groups, float* out) {
+inline void features_by_group(const uint16_t* const* rows, int64_t groups, float* out, int64_t ld = 16) {
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t len = std::min<int64_t>(16, groups - g0);
     const __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
@@ -597,7 +620,7 @@ inline void features_by_group(const uint16_t* const* rows, int64_t groups, float
     // (a tenth of the few-row path's time at 8 rows)
 #pragma GCC unroll 16
     for (int64_t i = 0; i < 16; ++i)
-      if (i < len) _mm512_storeu_ps(out + (g0 + i) * 16, v[i]);
+      if (i < len) _mm512_storeu_ps(out + (g0 + i) * ld, v[i]);
   }
 }
 
@@ -787,6 +810,180 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
     }
   });
 }
+
+// Many rows with one output feature per vector lane (the few-row path's orientation) and x's
+// four bytes as vpdpbusd's embedded broadcast, in tiles of 8 rows x 32 features (sixteen int32
+// sums, two W vectors a step). The block kernels above hold a row per lane and broadcast W's
+// words, one vpbroadcastd per feature and step: on Zen 4 those broadcasts take slots from the
+// dot products (a loop of only the products and their operands: 2.6 against 3.3-3.4 G vpdpbusd a
+// second with the roles turned; with the group's scaling 2.0 against 2.6-2.7). W's panels are
+// unpacked once per chunk of rows into [group][step][32 features] words, their scales and
+// minima into [group][32] fp32; x is quantized as for the block kernels (the same division,
+// rounding and int32 sums), each row's group its 32 bytes, the rows of a group side by side.
+// Every (row, feature) takes the very operations of the other paths in their order (exact int32
+// group sums, then per group a conversion, the FMA by dx * s, the FMA by dsum * m; the silu and
+// bias of the tile), so the output is the same bit for bit.
+constexpr int kLaneRows = 8;   // rows a tile (16 int32 sums in registers; 10-12 rows spilled)
+constexpr int kLaneFeatures = 32;
+
+// features f0 .. f0 + nc - 1 of W (those past nc repeat the last one: their lanes are not
+// stored) -> u [groups][8][32] words of unsigned bytes, s and mn [groups][32] fp32
+void unpack_lanes(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int kind, int64_t k, int64_t f0,
+                  int nc, uint32_t* u, float* s, float* mn) {
+  const int64_t groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* rows[16];
+    const uint16_t *sr[16], *mr[16];
+    for (int c = 0; c < 16; ++c) {
+      const int64_t f = f0 + std::min(16 * half + c, nc - 1);
+      rows[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins != nullptr ? mins + f * groups : nullptr;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      uint32_t* ug = u + g * 8 * kLaneFeatures + 16 * half;
+      __m512i w[8];
+      if (kind == 4) {   // byte i holds weight i (low nibble) and 16 + i (high)
+        __m512i words[4];
+        group_words(rows, g * 16, words);
+        for (int j = 0; j < 4; ++j)
+          w[j] = _mm512_and_si512(words[j], m4), w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(words[j], 4), m4);
+      } else {
+        group_words(rows, g * 32, w);
+        group_words(rows, g * 32 + 16, w + 4);
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(w[j], flip);   // q + 128
+      }
+      for (int j = 0; j < 8; ++j) _mm512_store_si512(ug + j * kLaneFeatures, w[j]);
+    }
+    features_by_group(sr, groups, s + 16 * half, kLaneFeatures);
+    if (kind == 4) {
+      features_by_group(mr, groups, mn + 16 * half, kLaneFeatures);
+    } else {   // 8-bit rows: q + 128 against x, so the minimum is -128 s
+      for (int64_t g = 0; g < groups; ++g)
+        _mm512_store_ps(mn + g * kLaneFeatures + 16 * half,
+                        _mm512_mul_ps(_mm512_set1_ps(-128.f), _mm512_load_ps(s + g * kLaneFeatures + 16 * half)));
+    }
+  }
+}
+
+// rows r0 .. r0 + R - 1, r0 a multiple of 8 (x in quantize_groups. lane layout: xq [tiles][groups][8][32], dx and dsum
+// [tiles][groups][8]) x one unpacked panel -> out [R][32] fp32 sums
+template <int R>
+__attribute__((always_inline)) inline void lanes_tile(const uint32_t* u, const float* s, const float* mn,
+                                                      const int8_t* xq, const float* dx, const float* dsum, int64_t ld,
+                                                      int64_t r0, int64_t groups, float* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* xg = xq + ((r0 / kLaneRows) * groups + g) * 256;
+    const float* dg = dx + ((r0 / kLaneRows) * groups + g) * 8;
+    const float* eg = dsum + ((r0 / kLaneRows) * groups + g) * 8;
+    const uint32_t* ug = u + g * 8 * kLaneFeatures;
+    auto dp = [&](__m512i& i32, __m512i w, int r, int j) {
+      asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(i32) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(xg + r * 32 + 4 * j)));
+    };
+    __m512i i32[R][2];
+    {
+      __m512i w0 = _mm512_load_si512(ug), w1 = _mm512_load_si512(ug + 16);
+      in_reg(w0), in_reg(w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        i32[r][0] = zeroed_si512(), dp(i32[r][0], w0, r, 0);
+        i32[r][1] = zeroed_si512(), dp(i32[r][1], w1, r, 0);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 1; j < 8; ++j) {
+      __m512i w0 = _mm512_load_si512(ug + j * kLaneFeatures), w1 = _mm512_load_si512(ug + j * kLaneFeatures + 16);
+      in_reg(w0), in_reg(w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) dp(i32[r][0], w0, r, j), dp(i32[r][1], w1, r, j);
+    }
+    const __m512 s0 = _mm512_load_ps(s + g * kLaneFeatures), s1 = _mm512_load_ps(s + g * kLaneFeatures + 16);
+    const __m512 m0 = _mm512_load_ps(mn + g * kLaneFeatures), m1 = _mm512_load_ps(mn + g * kLaneFeatures + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(dg[r]), e = _mm512_set1_ps(eg[r]);
+      float* o = out + r * kLaneFeatures;
+      const __m512 t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[r][0]), _mm512_mul_ps(d, s0),
+                                        g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(o));
+      const __m512 t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[r][1]), _mm512_mul_ps(d, s1),
+                                        g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(o + 16));
+      _mm512_store_ps(o, _mm512_fmadd_ps(e, m0, t0));
+      _mm512_store_ps(o + 16, _mm512_fmadd_ps(e, m1, t1));
+    }
+  }
+}
+
+template <typename T>
+void qgemm_a8_lanes(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias,
+                    T* y, int64_t m, int64_t n, int64_t k, int kind, bool silu) {
+  const int64_t out_n = silu ? n / 2 : n, groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
+  const int64_t ld = (m + MB8 - 1) / MB8 * MB8, blocks = ld / MB8;
+  static thread_local std::vector<int8_t> xq_store;
+  static thread_local std::vector<float> d_store;
+  if (xq_store.size() < static_cast<size_t>(ld * k + 64)) xq_store.resize(ld * k + 64);
+  if (d_store.size() < static_cast<size_t>(2 * ld * groups + 16)) d_store.resize(2 * ld * groups + 16);
+  int8_t* xq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xq_store.data()) + 63) & ~uintptr_t(63));
+  float* dx = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(d_store.data()) + 63) & ~uintptr_t(63));
+  float* dsum = dx + ld * groups;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) quantize_block(x, m, k, b * MB8, reinterpret_cast<int32_t*>(xq), dx, dsum, true);
+  });
+  const int64_t panels = (out_n + kLaneFeatures - 1) / kLaneFeatures;
+  // rows in chunks whose quantized x stays in L2 while every panel passes over it (as the block
+  // kernels': each chunk unpacks every panel again)
+  // (640 KB against 2 MB and whole: level on Zen 4, 0.98-0.99x, x now read tile by tile in order)
+  const int64_t chunk = std::max<int64_t>(kLaneRows, (640 * 1024) / (k + 8 * groups) / kLaneRows * kLaneRows);
+  for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+    const int64_t c1 = std::min(m, c0 + chunk);
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      const int64_t words = groups * 8 * kLaneFeatures, floats = 2 * groups * kLaneFeatures;
+      std::vector<uint32_t> ubuf(static_cast<size_t>((silu ? 2 : 1) * words) + 16);
+      std::vector<float> fbuf(static_cast<size_t>((silu ? 2 : 1) * floats) + 16);
+      uint32_t* u = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(ubuf.data()) + 63) & ~uintptr_t(63));
+      float* sm = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(fbuf.data()) + 63) & ~uintptr_t(63));
+      alignas(64) float acc[kLaneRows * kLaneFeatures], accu[kLaneRows * kLaneFeatures];
+      for (int64_t pi = p0; pi < p1; ++pi) {
+        const int64_t o0 = pi * kLaneFeatures;
+        const int nc = static_cast<int>(std::min<int64_t>(kLaneFeatures, out_n - o0));
+        if (pi + 1 < p1)   // the next panel's rows into L2 (unpacking reads 16 rows a group at a time)
+          for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
+            const int64_t f0 = (pi + 1) * kLaneFeatures + half * out_n;
+            prefetch_features(qw, scales, mins, row_bytes, groups, f0,
+                              std::min<int64_t>(f0 + kLaneFeatures, half * out_n + out_n));
+          }
+        for (int64_t half = 0; half < (silu ? 2 : 1); ++half)
+          unpack_lanes(qw, scales, mins, kind, k, half * out_n + o0, nc, u + half * words, sm + half * floats,
+                       sm + half * floats + groups * kLaneFeatures);
+        const __mmask16 cols0 = static_cast<__mmask16>(nc >= 16 ? 0xFFFF : (1u << nc) - 1);
+        const __mmask16 cols1 = static_cast<__mmask16>(nc <= 16 ? 0 : nc >= 32 ? 0xFFFF : (1u << (nc - 16)) - 1);
+        const __m512 b0v = bias != nullptr ? _mm512_maskz_loadu_ps(cols0, bias + o0) : _mm512_setzero_ps();
+        const __m512 b1v = bias != nullptr ? _mm512_maskz_loadu_ps(cols1, bias + o0 + 16) : _mm512_setzero_ps();
+        for (int64_t r0 = c0; r0 < c1; r0 += kLaneRows) {
+          const int rn = static_cast<int>(std::min<int64_t>(kLaneRows, c1 - r0));
+          by_count<kLaneRows>(rn, [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            lanes_tile<R>(u, sm, sm + groups * kLaneFeatures, xq, dx, dsum, ld, r0, groups, acc);
+            if (silu)
+              lanes_tile<R>(u + words, sm + floats, sm + floats + groups * kLaneFeatures, xq, dx, dsum, ld, r0, groups,
+                            accu);
+          });
+          for (int r = 0; r < rn; ++r) {
+            if (silu) silu_mul_tile<T, 1, kLaneFeatures>(acc + r * kLaneFeatures, accu + r * kLaneFeatures);
+            const int64_t at = (r0 + r) * out_n + o0;
+            const __m512 v0 = _mm512_add_ps(_mm512_load_ps(acc + r * kLaneFeatures), b0v);
+            const __m512 v1 = _mm512_add_ps(_mm512_load_ps(acc + r * kLaneFeatures + 16), b1v);
+            if constexpr (std::is_same_v<T, float>) {
+              _mm512_mask_storeu_ps(y + at, cols0, v0);
+              if (cols1) _mm512_mask_storeu_ps(y + at + 16, cols1, v1);
+            } else {
+              _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + at, cols0, bf16_vec(v0));
+              if (cols1) _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + at + 16, cols1, bf16_vec(v1));
+            }
+          }
+        }
+      }
+    });
+  }
+}
 #endif
 
 template <typename T>
@@ -797,6 +994,13 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
   static const bool few_on = [] { const char* v = std::getenv("FASTGEN_A8_FEW"); return !(v && v[0] == '0'); }();
   if (m <= kFewMaxRows && few_on) {
     qgemm_a8_few<T>(x, qw, scales, mins, bias, y, m, n, k, kind, silu);
+    return;
+  }
+  // FASTGEN_A8_LANES=0 sends these rows to the block kernels below (A/B measurements; read at each
+  // call, so that one process can switch)
+  const bool lanes_on = [] { const char* v = std::getenv("FASTGEN_A8_LANES"); return !(v && v[0] == '0'); }();
+  if (lanes_on) {
+    qgemm_a8_lanes<T>(x, qw, scales, mins, bias, y, m, n, k, kind, silu);
     return;
   }
 #endif
