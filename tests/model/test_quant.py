@@ -268,6 +268,32 @@ def test_int8_activation_gemm_rows_do_not_depend_on_the_block_kernel(bits):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activation_lane_kernel_gives_the_block_kernels_bits(dtype, bits, monkeypatch):
+    """Past the few-row path, AVX-512 hosts multiply prompt rows in the lane kernel (one output
+    feature per vector lane, tiles of 8 rows x 32 features); ``FASTGEN_A8_LANES=0`` sends them
+    to the block kernels (one row per lane), read at each call. Both take each (row, feature)'s
+    operations in the same order, so their outputs are the same bit for bit: over tiles of 8 rows
+    and a short last one, panels of 32 features and short last ones (fewer than 16, more than
+    16), a bias, the fused SiLU, row chunks (700 x 1536: more than one), zeros and denormals."""
+    _skip_without_int8(bits)
+    g = torch.Generator().manual_seed(31 + bits)
+    for rows, n, k, silu in ((33, 70, 576, False), (45, 24, 96, True), (100, 8, 64, False),
+                             (700, 40, 1536, False), (259, 2 * 56, 576, True)):
+        q = QuantWeight(quantize(torch.randn(n, k, generator=g), bits), None).quant
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        x[5] = 1e-38                # every product saturates on each path
+        x[9, :32] = 0               # an all-zero group
+        bias = None if silu else torch.randn(n, generator=g)
+        outs = []
+        for lanes in ("1", "0"):
+            monkeypatch.setenv("FASTGEN_A8_LANES", lanes)
+            outs.append(torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, bias, silu))
+        assert outs[0].shape == (rows, n // 2 if silu else n)
+        assert torch.equal(outs[0], outs[1]), (rows, n, k, silu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("k", [576, 1536, 96, 160, 224])   # 4-group quads and a last pair and/or a last group
 def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, bits, k):
     """qgemv with int8 x against 4-bit rows (qrows4_a8) or 8-bit rows (qrows8_a8: the weights

@@ -12,10 +12,17 @@
 // scale per row of x and per-channel int8 W, and +5.4% for one scale per row of x alone
 // (docs/architecture.md).
 //
-// Layout as in qgemm.cpp, lane = row: a block of MB8 rows of x is held as [k/4][MB8] 32-bit words
-// (4 consecutive int8 of one row), with dx and dx * sum(xq) as [groups][MB8]; a panel of NR8
-// output features as [NR8][k/4] words of 4 unsigned bytes, broadcast one at a time. Per group
-// the int32 sums of each (feature, vector of 16 rows) are scaled into fp32 accumulators.
+// Three paths by rows, each (row, feature) taking the same operations in the same order, so a
+// row's output does not depend on the path:
+// - up to 32 rows (decode batches; AVX-512): the few-row path, one output feature per lane, W's
+//   groups turned into words in registers, x's bytes broadcast (qgemm_a8_few);
+// - more rows on AVX-512 hosts: the lane kernel, one output feature per lane too, W's panels of
+//   32 features unpacked once per chunk of rows, tiles of 8 rows (qgemm_a8_lanes);
+// - the block kernels (AVX2 hosts; AVX-512 ones with FASTGEN_A8_LANES=0), lane = row as in
+//   qgemm.cpp: a block of MB8 rows of x held as [k/4][MB8] 32-bit words (4 consecutive int8 of
+//   one row), with dx and dx * sum(xq) as [groups][MB8]; a panel of NR8 output features as
+//   [NR8][k/4] words of 4 unsigned bytes, broadcast one at a time. Per group the int32 sums of
+//   each (feature, vector of 16 rows) are scaled into fp32 accumulators.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
