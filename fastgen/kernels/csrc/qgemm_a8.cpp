@@ -197,11 +197,13 @@ inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float
       int32_t* xg = xa + g * 8 * MB8 + v0;
       // the lane kernels' layout: tiles of 8 rows, a tile's groups one after another, a group's
       // 8 rows of 32 bytes each (k order), dx and dsum [tile][group][8]
-      const int64_t t0 = (r0 + v0) / 8;
-      int8_t* const xl[2] = {reinterpret_cast<int8_t*>(xa) + (t0 * groups + g) * 256,
-                             reinterpret_cast<int8_t*>(xa) + ((t0 + 1) * groups + g) * 256};
-      float* const dl[2] = {dx + (t0 * groups + g) * 8, dx + ((t0 + 1) * groups + g) * 8};
-      float* const el[2] = {dsum + (t0 * groups + g) * 8, dsum + ((t0 + 1) * groups + g) * 8};
+      // (the pointers formed only there: for the block layout xa, dx and dsum start at the block)
+      const int64_t t0 = lanes ? (r0 + v0) / 8 : 0;
+      int8_t* const xl[2] = {lanes ? reinterpret_cast<int8_t*>(xa) + (t0 * groups + g) * 256 : nullptr,
+                             lanes ? reinterpret_cast<int8_t*>(xa) + ((t0 + 1) * groups + g) * 256 : nullptr};
+      float* const dl[2] = {lanes ? dx + (t0 * groups + g) * 8 : nullptr, lanes ? dx + ((t0 + 1) * groups + g) * 8 : nullptr};
+      float* const el[2] = {lanes ? dsum + (t0 * groups + g) * 8 : nullptr,
+                            lanes ? dsum + ((t0 + 1) * groups + g) * 8 : nullptr};
       if (lanes && live == 0) {
         for (int r = 0; r < 16; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(xl[r / 8] + 32 * (r % 8)), _mm256_setzero_si256());
         for (int h = 0; h < 2; ++h) _mm256_store_ps(dl[h], _mm256_setzero_ps()), _mm256_store_ps(el[h], _mm256_setzero_ps());
@@ -876,7 +878,7 @@ void unpack_lanes(const uint8_t* qw, const uint16_t* scales, const uint16_t* min
 // [tiles][groups][8]) x one unpacked panel -> out [R][32] fp32 sums
 template <int R>
 __attribute__((always_inline)) inline void lanes_tile(const uint32_t* u, const float* s, const float* mn,
-                                                      const int8_t* xq, const float* dx, const float* dsum, int64_t ld,
+                                                      const int8_t* xq, const float* dx, const float* dsum,
                                                       int64_t r0, int64_t groups, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* xg = xq + ((r0 / kLaneRows) * groups + g) * 256;
@@ -963,14 +965,14 @@ void qgemm_a8_lanes(const T* x, const uint8_t* qw, const uint16_t* scales, const
         const __mmask16 cols0 = static_cast<__mmask16>(nc >= 16 ? 0xFFFF : (1u << nc) - 1);
         const __mmask16 cols1 = static_cast<__mmask16>(nc <= 16 ? 0 : nc >= 32 ? 0xFFFF : (1u << (nc - 16)) - 1);
         const __m512 b0v = bias != nullptr ? _mm512_maskz_loadu_ps(cols0, bias + o0) : _mm512_setzero_ps();
-        const __m512 b1v = bias != nullptr ? _mm512_maskz_loadu_ps(cols1, bias + o0 + 16) : _mm512_setzero_ps();
+        const __m512 b1v = bias != nullptr && cols1 ? _mm512_maskz_loadu_ps(cols1, bias + o0 + 16) : _mm512_setzero_ps();
         for (int64_t r0 = c0; r0 < c1; r0 += kLaneRows) {
           const int rn = static_cast<int>(std::min<int64_t>(kLaneRows, c1 - r0));
           by_count<kLaneRows>(rn, [&](auto rows) {
             constexpr int R = decltype(rows)::value;
-            lanes_tile<R>(u, sm, sm + groups * kLaneFeatures, xq, dx, dsum, ld, r0, groups, acc);
+            lanes_tile<R>(u, sm, sm + groups * kLaneFeatures, xq, dx, dsum, r0, groups, acc);
             if (silu)
-              lanes_tile<R>(u + words, sm + floats, sm + floats + groups * kLaneFeatures, xq, dx, dsum, ld, r0, groups,
+              lanes_tile<R>(u + words, sm + floats, sm + floats + groups * kLaneFeatures, xq, dx, dsum, r0, groups,
                             accu);
           });
           for (int r = 0; r < rn; ++r) {
@@ -1096,6 +1098,10 @@ at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, silu_mul ? n / 2 : n}, xc.options());
   if (m == 0) return y;
+  if (k == 0) {   // an empty sum: the bias (silu_mul takes none: silu(0) * 0)
+    y.copy_(bf.defined() ? bf.unsqueeze(0).expand({m, n}) : at::zeros({m, silu_mul ? n / 2 : n}, xc.options()));
+    return y;
+  }
 #if defined(FASTGEN_A8_AVX2)
   TORCH_CHECK(kind == 4, "qgemm_a8 on an AVX2 host takes 4-bit rows only (torch.ops.fastgen.a8_kinds())");
 #endif
