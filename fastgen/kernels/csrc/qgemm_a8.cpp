@@ -62,6 +62,13 @@ constexpr int NR8 = QGEMM_A8_NR;   // output features per panel
 constexpr int HM8 = QGEMM_A8_HM;   // vectors of 16 rows per block
 constexpr int MB8 = 16 * HM8;      // rows per block of x
 
+// a buffer this thread keeps and only grows, at least n values from a 64-byte boundary on
+template <typename V>
+inline V* grown_aligned(std::vector<V>& store, size_t n) {
+  if (store.size() < n + 64 / sizeof(V)) store.resize(n + 64 / sizeof(V));
+  return reinterpret_cast<V*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
+}
+
 #if defined(FASTGEN_A8_VNNI) || defined(FASTGEN_A8_AVX2)
 // 8 x 8 32-bit words: word j of r[i] -> word i of r[j] (in-lane interleaves, then 128-bit halves)
 inline void transpose8x8_epi32(__m256i* r) {
@@ -196,17 +203,24 @@ inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float
     for (int64_t g = 0; g < groups; ++g) {
       int32_t* xg = xa + g * 8 * MB8 + v0;
       // the lane kernels' layout: tiles of 8 rows, a tile's groups one after another, a group's
-      // 8 rows of 32 bytes each (k order), dx and dsum [tile][group][8]
-      // (the pointers formed only there: for the block layout xa, dx and dsum start at the block)
-      const int64_t t0 = lanes ? (r0 + v0) / 8 : 0;
-      int8_t* const xl[2] = {lanes ? reinterpret_cast<int8_t*>(xa) + (t0 * groups + g) * 256 : nullptr,
-                             lanes ? reinterpret_cast<int8_t*>(xa) + ((t0 + 1) * groups + g) * 256 : nullptr};
-      float* const dl[2] = {lanes ? dx + (t0 * groups + g) * 8 : nullptr, lanes ? dx + ((t0 + 1) * groups + g) * 8 : nullptr};
-      float* const el[2] = {lanes ? dsum + (t0 * groups + g) * 8 : nullptr,
-                            lanes ? dsum + ((t0 + 1) * groups + g) * 8 : nullptr};
+      // 8 rows of 32 bytes each (k order), dx and dsum [tile][group][8]. store_lanes(words, d, e):
+      // the 16 rows' words and their dx, dsum (the first 8 rows tile (r0 + v0) / 8's, the next the
+      // following tile's); only called in that layout (for the block one xa, dx and dsum start at
+      // the block, so the tile offsets would point past it)
+      auto store_lanes = [&](const __m256i* words, __m512 d, __m512 e) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = ((r0 + v0) / 8 + h) * groups + g;
+          for (int r = 0; r < 8; ++r)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(reinterpret_cast<int8_t*>(xa) + at * 256 + 32 * r), words[8 * h + r]);
+          const __m512i dh = _mm512_castps_si512(d), eh = _mm512_castps_si512(e);
+          _mm256_store_ps(dx + at * 8, _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(dh, 1) : _mm512_castsi512_si256(dh)));
+          _mm256_store_ps(dsum + at * 8, _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(eh, 1) : _mm512_castsi512_si256(eh)));
+        }
+      };
       if (lanes && live == 0) {
-        for (int r = 0; r < 16; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(xl[r / 8] + 32 * (r % 8)), _mm256_setzero_si256());
-        for (int h = 0; h < 2; ++h) _mm256_store_ps(dl[h], _mm256_setzero_ps()), _mm256_store_ps(el[h], _mm256_setzero_ps());
+        __m256i zeros[16];
+        for (auto& z : zeros) z = _mm256_setzero_si256();
+        store_lanes(zeros, _mm512_setzero_ps(), _mm512_setzero_ps());
         continue;
       }
       if (!lanes && live == 0) {
@@ -232,11 +246,8 @@ inline void quantize_groups(int64_t m, int64_t k, int64_t r0, int32_t* xa, float
         return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
       }));
       if (lanes) {
-        for (int r = 0; r < 16; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(xl[r / 8] + 32 * (r % 8)), w[r]);
-        const __m512 dv = _mm512_maskz_mov_ps(live_mask, d);
-        const __m512 ev = _mm512_maskz_mov_ps(live_mask, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
-        _mm256_store_ps(dl[0], _mm512_castps512_ps256(dv)), _mm256_store_ps(dl[1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dv), 1)));
-        _mm256_store_ps(el[0], _mm512_castps512_ps256(ev)), _mm256_store_ps(el[1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ev), 1)));
+        store_lanes(w, _mm512_maskz_mov_ps(live_mask, d),
+                    _mm512_maskz_mov_ps(live_mask, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum))));
         continue;
       }
       transpose8x8_epi32(w);
@@ -653,6 +664,52 @@ __attribute__((always_inline)) inline void group_words(const uint8_t* const* row
   words[2] = _mm512_shuffle_i64x2(t23, u23, 0x44), words[3] = _mm512_shuffle_i64x2(t23, u23, 0xEE);
 }
 
+// the weight rows, fp16 scales and minima (null without) of sixteen features from f0; those past
+// the first nc repeat feature f0 + nc - 1 (nc may be 0 or less: all of them do), their lanes never
+// stored. The few-row path's panels and the lane kernel's halves of a panel
+inline void feature_rows(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int64_t row_bytes,
+                         int64_t groups, int64_t f0, int nc, const uint8_t** wr, const uint16_t** sr,
+                         const uint16_t** mr) {
+  for (int c = 0; c < 16; ++c) {
+    const int64_t f = f0 + std::min(c, nc - 1);
+    wr[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins != nullptr ? mins + f * groups : nullptr;
+  }
+}
+
+// group g of sixteen features (rows[c]: feature c's weight bytes; KIND 4: Q4 nibbles, 16 bytes a
+// group, byte i holding weight i (low nibble) and 16 + i (high); KIND 8: int8, 32 bytes a group,
+// taken as q + 128) as u[j]: weights 4j .. 4j + 3 of each feature, unsigned bytes, a feature a lane
+template <int KIND>
+__attribute__((always_inline)) inline void feature_words(const uint8_t* const* rows, int64_t g, __m512i* u) {
+  if constexpr (KIND == 4) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i words[4];
+    group_words(rows, g * 16, words);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      u[j] = _mm512_and_si512(words[j], m4), u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(words[j], 4), m4);
+  } else {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    group_words(rows, g * 32, u);
+    group_words(rows, g * 32 + 16, u + 4);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(u[j], flip);
+  }
+}
+
+// the sixteen features' scales and minima as fp32 s, mn [groups][ld] (8-bit rows: q + 128 against
+// x, so the minimum is -128 s, the block kernels' product)
+inline void feature_scales(const uint16_t* const* sr, const uint16_t* const* mr, int kind, int64_t groups, float* s,
+                           float* mn, int64_t ld) {
+  features_by_group(sr, groups, s, ld);
+  if (kind == 4) {
+    features_by_group(mr, groups, mn, ld);
+    return;
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    _mm512_storeu_ps(mn + g * ld, _mm512_mul_ps(_mm512_set1_ps(-128.f), _mm512_loadu_ps(s + g * ld)));
+}
+
 // one panel of sixteen features (rows[c]: feature c's weight bytes; KIND 4: Q4 nibbles, 16 bytes a
 // group; KIND 8: int8, 32 bytes a group, taken as q + 128) against R rows of x: acc[r] lane c = the
 // block kernels' fp32 sum for (row r, feature c). xq, dx, dsum: the pass's first row in
@@ -679,20 +736,7 @@ __attribute__((always_inline)) inline void few_rows_panel(const uint8_t* const* 
     }
     // u[j]: weights 4j .. 4j + 3 of the group, per feature, as unsigned bytes
     __m512i u[8];
-    if constexpr (KIND == 4) {   // byte i holds weight i (low nibble) and 16 + i (high)
-      const __m512i m4 = _mm512_set1_epi8(0x0F);
-      __m512i words[4];
-      group_words(rows, g * 16, words);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j)
-        u[j] = _mm512_and_si512(words[j], m4), u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(words[j], 4), m4);
-    } else {
-      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      group_words(rows, g * 32, u);
-      group_words(rows, g * 32 + 16, u + 4);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(u[j], flip);
-    }
+    feature_words<KIND>(rows, g, u);
     const __m512 s = _mm512_loadu_ps(sv + g * 16), mn = _mm512_loadu_ps(mv + g * 16);
     // the rows' eight-deep vpdpbusd chains interleaved, one step of every row at a time: one row
     // after another, each chain's latency (~5 cycles a step) bound the loop (perf, AMX host: 8 rows
@@ -740,12 +784,6 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
   quantize_rows_few<T>(x, m, k, xq, dx, dsum);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> sm(4 * 16 * groups);   // scales, minima [groups][16]; the up half's after them
-    auto panel_rows = [&](int64_t f0, int nc, const uint8_t** wr, const uint16_t** sr, const uint16_t** mr) {
-      for (int c = 0; c < 16; ++c) {   // features past nc repeat the last one; their lanes are not stored
-        const int64_t f = f0 + std::min(c, nc - 1);
-        wr[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins != nullptr ? mins + f * groups : nullptr;
-      }
-    };
     for (int64_t pi = p0; pi < p1; ++pi) {
       const int64_t o0 = pi * 16;
       const int nc = static_cast<int>(std::min<int64_t>(16, out_n - o0));
@@ -769,15 +807,9 @@ void qgemm_a8_few(const T* x, const uint8_t* qw, const uint16_t* scales, const u
       const uint8_t* wr[2][16];
       const uint16_t *sr[16], *mr[16];
       for (int64_t half = 0; half < (silu ? 2 : 1); ++half) {
-        panel_rows(half * out_n + o0, nc, wr[half], sr, mr);
+        feature_rows(qw, scales, mins, row_bytes, groups, half * out_n + o0, nc, wr[half], sr, mr);
         float* sv = sm.data() + half * 32 * groups;
-        features_by_group(sr, groups, sv);
-        if (kind == 4) {
-          features_by_group(mr, groups, sv + 16 * groups);
-        } else {   // 8-bit rows: q + 128 against x, so the minimum is -128 s (the block kernels' product)
-          for (int64_t i = 0; i < 16 * groups; i += 16)
-            _mm512_storeu_ps(sv + 16 * groups + i, _mm512_mul_ps(_mm512_set1_ps(-128.f), _mm512_loadu_ps(sv + i)));
-        }
+        feature_scales(sr, mr, kind, groups, sv, sv + 16 * groups, 16);
       }
       const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
       const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cols, bias + o0) : _mm512_setzero_ps();
@@ -840,37 +872,17 @@ constexpr int kLaneFeatures = 32;
 void unpack_lanes(const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, int kind, int64_t k, int64_t f0,
                   int nc, uint32_t* u, float* s, float* mn) {
   const int64_t groups = k / 32, row_bytes = kind == 4 ? k / 2 : k;
-  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int half = 0; half < 2; ++half) {
+  for (int half = 0; half < 2; ++half) {   // sixteen features each
     const uint8_t* rows[16];
     const uint16_t *sr[16], *mr[16];
-    for (int c = 0; c < 16; ++c) {
-      const int64_t f = f0 + std::min(16 * half + c, nc - 1);
-      rows[c] = qw + f * row_bytes, sr[c] = scales + f * groups, mr[c] = mins != nullptr ? mins + f * groups : nullptr;
-    }
+    feature_rows(qw, scales, mins, row_bytes, groups, f0 + 16 * half, nc - 16 * half, rows, sr, mr);
     for (int64_t g = 0; g < groups; ++g) {
-      uint32_t* ug = u + g * 8 * kLaneFeatures + 16 * half;
       __m512i w[8];
-      if (kind == 4) {   // byte i holds weight i (low nibble) and 16 + i (high)
-        __m512i words[4];
-        group_words(rows, g * 16, words);
-        for (int j = 0; j < 4; ++j)
-          w[j] = _mm512_and_si512(words[j], m4), w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(words[j], 4), m4);
-      } else {
-        group_words(rows, g * 32, w);
-        group_words(rows, g * 32 + 16, w + 4);
-        for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(w[j], flip);   // q + 128
-      }
-      for (int j = 0; j < 8; ++j) _mm512_store_si512(ug + j * kLaneFeatures, w[j]);
+      if (kind == 4) feature_words<4>(rows, g, w);
+      else feature_words<8>(rows, g, w);
+      for (int j = 0; j < 8; ++j) _mm512_store_si512(u + (g * 8 + j) * kLaneFeatures + 16 * half, w[j]);
     }
-    features_by_group(sr, groups, s + 16 * half, kLaneFeatures);
-    if (kind == 4) {
-      features_by_group(mr, groups, mn + 16 * half, kLaneFeatures);
-    } else {   // 8-bit rows: q + 128 against x, so the minimum is -128 s
-      for (int64_t g = 0; g < groups; ++g)
-        _mm512_store_ps(mn + g * kLaneFeatures + 16 * half,
-                        _mm512_mul_ps(_mm512_set1_ps(-128.f), _mm512_load_ps(s + g * kLaneFeatures + 16 * half)));
-    }
+    feature_scales(sr, mr, kind, groups, s + 16 * half, mn + 16 * half, kLaneFeatures);
   }
 }
 
@@ -928,10 +940,8 @@ void qgemm_a8_lanes(const T* x, const uint8_t* qw, const uint16_t* scales, const
   const int64_t ld = (m + MB8 - 1) / MB8 * MB8, blocks = ld / MB8;
   static thread_local std::vector<int8_t> xq_store;
   static thread_local std::vector<float> d_store;
-  if (xq_store.size() < static_cast<size_t>(ld * k + 64)) xq_store.resize(ld * k + 64);
-  if (d_store.size() < static_cast<size_t>(2 * ld * groups + 16)) d_store.resize(2 * ld * groups + 16);
-  int8_t* xq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xq_store.data()) + 63) & ~uintptr_t(63));
-  float* dx = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(d_store.data()) + 63) & ~uintptr_t(63));
+  int8_t* xq = grown_aligned(xq_store, ld * k);
+  float* dx = grown_aligned(d_store, 2 * ld * groups);
   float* dsum = dx + ld * groups;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) quantize_block(x, m, k, b * MB8, reinterpret_cast<int32_t*>(xq), dx, dsum, true);
@@ -944,11 +954,12 @@ void qgemm_a8_lanes(const T* x, const uint8_t* qw, const uint16_t* scales, const
   for (int64_t c0 = 0; c0 < m; c0 += chunk) {
     const int64_t c1 = std::min(m, c0 + chunk);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      // the unpacked panel (and its up half)
       const int64_t words = groups * 8 * kLaneFeatures, floats = 2 * groups * kLaneFeatures;
-      std::vector<uint32_t> ubuf(static_cast<size_t>((silu ? 2 : 1) * words) + 16);
-      std::vector<float> fbuf(static_cast<size_t>((silu ? 2 : 1) * floats) + 16);
-      uint32_t* u = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(ubuf.data()) + 63) & ~uintptr_t(63));
-      float* sm = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(fbuf.data()) + 63) & ~uintptr_t(63));
+      std::vector<uint32_t> ubuf;
+      std::vector<float> fbuf;
+      uint32_t* u = grown_aligned(ubuf, (silu ? 2 : 1) * words);
+      float* sm = grown_aligned(fbuf, (silu ? 2 : 1) * floats);
       alignas(64) float acc[kLaneRows * kLaneFeatures], accu[kLaneRows * kLaneFeatures];
       for (int64_t pi = p0; pi < p1; ++pi) {
         const int64_t o0 = pi * kLaneFeatures;
@@ -1021,12 +1032,8 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
   // x quantized once, into buffers this thread keeps and only grows (as qgemm's repacked x)
   static thread_local std::vector<int32_t> xa_store;
   static thread_local std::vector<float> dx_store;
-  const size_t need_words = static_cast<size_t>(blocks * block_words) + 16;
-  const size_t need_floats = static_cast<size_t>(2 * blocks * block_groups) + 16;
-  if (xa_store.size() < need_words) xa_store.resize(need_words);
-  if (dx_store.size() < need_floats) dx_store.resize(need_floats);
-  int32_t* xa = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(xa_store.data()) + 63) & ~uintptr_t(63));
-  float* dx = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(dx_store.data()) + 63) & ~uintptr_t(63));
+  int32_t* xa = grown_aligned(xa_store, blocks * block_words);
+  float* dx = grown_aligned(dx_store, 2 * blocks * block_groups);
   float* dsum = dx + blocks * block_groups;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
