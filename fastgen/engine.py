@@ -38,9 +38,9 @@ from .model.spec import local_kv_heads
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
 from .row_limits import RowLimits, calibrate_row_limits
-from .sampling import SamplingRow, sample
+from .sampling import NO_TOKEN, SamplingRow, sample
 from .scheduler import StepPlan, make_scheduler
-from .structured import GrammarCompiler
+from .structured import GrammarCompiler, grammar_bias
 from .telemetry import EventKind, EventLog, RequestEvent, RequestProgress, StepRecord
 from .text import TextStream
 
@@ -369,13 +369,29 @@ class Engine:
         self.scheduler.commit(plan, {r.request_id: tok for (_, r), tok in zip(samplers, tokens)})
         outputs = [StepOutput(r.request_id, (), "", None) for r in reqs if r.num_computed_tokens < r.num_tokens]
         now = time.perf_counter()
-        for (_, r), tok, lp in zip(samplers, tokens, lps):
+        for (i, r), tok, lp in zip(samplers, tokens, lps):
+            if tok == NO_TOKEN:  # nothing to sample: this request ends, its batch mates go on
+                r.output_token_ids.pop()
+                outputs.append(self._finish(r, FinishReason.ERROR, self._no_token_error(r, rows[i][-1])))
+                continue
             try:
                 outputs.append(self._after_token(r, tok, lp, now))
             except Exception as e:  # e.g. a detokenizer failure: only this request ends
                 log.exception("request %s failed", r.request_id)
                 outputs.append(self._finish(r, FinishReason.ERROR, str(e)))
         return outputs
+
+    def _no_token_error(self, r: Request, raw_logits: torch.Tensor) -> str:
+        """The error of a request that sampling left no token (sampling.NO_TOKEN), with what the
+        step knew: how many of the model's logits were finite and, under an output constraint,
+        how many tokens the constraint allowed."""
+        finite = int(torch.isfinite(raw_logits).sum())
+        why = f"the model's logits hold {finite} finite values of {raw_logits.numel()}"
+        if r.grammar_state is not None:
+            allowed = int((grammar_bias([(0, r.grammar_state)], r.grammar_state.vocab_size)[0] == 0).sum())
+            why += f"; the output constraint allows {allowed} tokens after {r.grammar_state.num_accepted} generated"
+        log.warning("request %s: no token to sample (%s); params %s", r.request_id, why, r.params)
+        return f"no token could be sampled: every candidate is -inf or NaN after the output constraint and penalties ({why})"
 
     @staticmethod
     def _seq_input(r: Request, n: int, want_prompt_logprobs: bool) -> SeqInput:

@@ -72,15 +72,21 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         k = min(k * 4, vocab)
 
 
+NO_TOKEN = -1   # sample()'s id for a row that has nothing to sample (see sample())
+
+
 def _draw(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
-    """One inverse-CDF draw per row of (unnormalised) ``probs``."""
+    """One inverse-CDF draw per row of (unnormalised) ``probs``; :data:`NO_TOKEN` for a row whose
+    mass is not a positive finite number (every logit -inf or NaN: there is nothing to draw)."""
     u = torch.rand(len(rows), generator=generator, dtype=torch.float64)
     for i, row in enumerate(rows):
         if row.generator is not None:
             u[i] = torch.rand(1, generator=row.generator, dtype=torch.float64)[0]
     cdf = probs.double().cumsum(-1)                             # [n, V]
     target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    total = cdf[:, -1]
+    return torch.where(torch.isfinite(total) & (total > 0), drawn, NO_TOKEN)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -100,7 +106,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     :func:`process_logits`.
 
     Returns the chosen token ids and, for rows that asked for them, their logprobs
-    (of the model's distribution, before penalties and temperature).
+    (of the model's distribution, before penalties and temperature). A row left with no token
+    to choose, because every logit is -inf or NaN after the processors (an output constraint
+    that allows nothing, or logits that are not numbers), gets :data:`NO_TOKEN`: the caller
+    ends that request with an error. Without this check torch picked index 0 (argmax) or the
+    last index (the draw's clamp) and the token went out as if sampled.
     """
     n, vocab = logits.shape
     want_lp = [r.params.logprobs is not None for r in rows]
@@ -135,11 +145,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
             probs = torch.where(probs >= thr[:, None], probs, 0.0)
         chosen[sample_idx] = _draw(probs, srows, generator)
 
+    greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy_idx:  # argmax takes the first NaN, or index 0 of an all -inf row: neither is a choice
+        g = torch.tensor(greedy_idx, device=logits.device)
+        picked = logits[g].gather(1, chosen[g][:, None]).squeeze(1)
+        chosen[g] = torch.where(torch.isnan(picked) | (picked == float("-inf")), NO_TOKEN, chosen[g])
     token_ids = chosen.tolist()
     logprobs: list[TokenLogprob | None] = [None] * n
     if raw_logprobs is not None:
         lp_rows = [i for i in range(n) if want_lp[i]]
         for j, i in enumerate(lp_rows):
+            if token_ids[i] == NO_TOKEN:
+                continue
             logprobs[i] = token_logprob(raw_logprobs[j], token_ids[i], rows[i].params.logprobs)
     return token_ids, logprobs
 

@@ -277,3 +277,38 @@ def test_json_never_holds_a_raw_control_character(engine):
     # without the JSON spec (a regex or grammar may want control characters) nothing extra is banned
     plain = engine.grammars.matcher(engine.grammars.compile(spec))
     assert plain.banned is None
+
+
+def test_a_step_whose_logits_are_not_numbers_ends_its_requests_by_name_and_the_engine_serves_on(tiny_dir):
+    """A row with nothing to sample (here: one forward's logits made NaN) ends its request with an
+    error that names what was left (finite logits, tokens the constraint allows); before, torch's
+    argmax or the draw's clamp picked a token and a constrained request failed on its matcher
+    ("the output constraint rejected token 49151"). The blocks come back and the next requests
+    are served as before."""
+    engine = make_engine(tiny_dir)
+    [before] = run(engine, [(PROMPT, FREE)])
+    forward = engine.model
+    poisoned = []
+
+    def poison(batch, pool):
+        out = forward(batch, pool)
+        if not poisoned and out.shape[0] == 2:      # the first step in which both requests sample
+            poisoned.append(True)
+            out = torch.full_like(out, float("nan"))
+        return out
+
+    engine.model = poison
+    try:
+        rs = run(engine, [(PROMPT, SamplingParams(max_new_tokens=8, seed=0, choice=["yes", "no"])), (PROMPT, FREE)])
+    finally:
+        engine.model = forward
+    assert poisoned
+    for r in rs:
+        assert r.finish_reason is FinishReason.ERROR, r
+        assert r.error.startswith("no token could be sampled") and "hold 0 finite values of 49152" in r.error
+    allowed = re.search(r"the output constraint allows (\d+) tokens after 0 generated", rs[0].error)
+    assert allowed and int(allowed[1]) > 0 and "allows" not in rs[1].error
+    assert rs[0].generated_length == 0   # the free request may have sampled before (its prompt needs no compile)
+    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+    [after] = run(engine, [(PROMPT, FREE)])
+    assert after.generated_text == before.generated_text

@@ -105,3 +105,23 @@ def test_filtered_draws_follow_the_renormalised_distribution(filters):
         q = want[t]
         bound = 5 * (q * (1 - q) / num_draws) ** 0.5
         assert abs(count / num_draws - q) <= bound, (t, count / num_draws, q, filters)
+
+
+def test_a_row_with_nothing_to_sample_gets_no_token_and_its_batch_mates_are_untouched():
+    """Every logit -inf (an output constraint that allows nothing) or NaN: argmax used to return
+    index 0 and the draw its clamp, the last index, as if sampled. Now such a row gets NO_TOKEN."""
+    from fastgen.sampling import NO_TOKEN
+
+    lg = logits(6)
+    good = lg.clone()
+    lg[1] = float("-inf")
+    lg[2, 7] = float("nan")
+    lg[4] = float("-inf")
+    lg[5, 3] = float("nan")
+    rows = [row(do_sample=False), row(do_sample=False), row(do_sample=False),
+            row(seed=1), row(seed=1), row(seed=1, top_k=5, logprobs=2)]
+    toks, lps = sample(lg, rows)
+    assert toks[1] == toks[2] == toks[4] == toks[5] == NO_TOKEN
+    assert lps[5] is None
+    alone, _ = sample(good[[0, 3]].clone(), [row(do_sample=False), row(seed=1)])
+    assert [toks[0], toks[3]] == alone
