@@ -474,7 +474,8 @@ inline void qk4(const float* q, int64_t d, const float* kt, int64_t bs, float* s
     __m256 a[4][2];
     for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; ++i) {
-      const __m256 k0 = _mm256_loadu_ps(kt + i * bs + jb), k1 = _mm256_loadu_ps(kt + i * bs + jb + 8);
+      __m256 k0 = _mm256_loadu_ps(kt + i * bs + jb), k1 = _mm256_loadu_ps(kt + i * bs + jb + 8);
+      in_reg(k0), in_reg(k1);
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) {
         const __m256 qv = _mm256_broadcast_ss(q + r * d + i);
@@ -493,7 +494,8 @@ inline void pv4(const float* p, int64_t bs, int64_t n, const float* vf, int64_t 
     for (int r = 0; r < 4; ++r)
       a[r][0] = _mm256_loadu_ps(acc + r * d + ib), a[r][1] = _mm256_loadu_ps(acc + r * d + ib + 8);
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vf + j * d + ib), v1 = _mm256_loadu_ps(vf + j * d + ib + 8);
+      __m256 v0 = _mm256_loadu_ps(vf + j * d + ib), v1 = _mm256_loadu_ps(vf + j * d + ib + 8);
+      in_reg(v0), in_reg(v1);
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) {
         const __m256 pv = _mm256_broadcast_ss(p + r * bs + j);
@@ -511,9 +513,7 @@ inline void softmax_block32_avx2(Partial& ml, float* ar, int64_t d, float* sc) {
   __m256 s[4];
   for (int i = 0; i < 4; ++i) s[i] = _mm256_loadu_ps(sc + 8 * i);
   const __m256 m2 = _mm256_max_ps(_mm256_max_ps(s[0], s[1]), _mm256_max_ps(s[2], s[3]));
-  __m128 z = _mm_max_ps(_mm256_castps256_ps128(m2), _mm256_extractf128_ps(m2, 1));
-  z = _mm_max_ps(z, _mm_movehl_ps(z, z));
-  const float mx = std::max(ml.m, _mm_cvtss_f32(_mm_max_ss(z, _mm_shuffle_ps(z, z, 1))));
+  const float mx = std::max(ml.m, hmax8(m2));
   const __m256 mv = _mm256_set1_ps(mx);
   __m256 l = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -529,9 +529,7 @@ inline void softmax_block32_avx2(Partial& ml, float* ar, int64_t d, float* sc) {
     for (; i + 8 <= d; i += 8) _mm256_storeu_ps(ar + i, _mm256_mul_ps(_mm256_loadu_ps(ar + i), cv));
     for (; i < d; ++i) ar[i] *= corr;
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  ml = Partial{mx, ml.l * corr + _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))};
+  ml = Partial{mx, ml.l * corr + hsum8(l)};
 }
 constexpr bool kHaveBlocked = true;
 constexpr bool kHaveSoftmax32Avx2 = true;
@@ -994,6 +992,8 @@ struct DecodePrefetch {
 // Scores by qk16 straight from the pool's keys; in bf16 the values too (pv_rows_bf16,
 // probabilities as bf16 pairs), in fp32 each head's values widened once per block (pv_rows).
 // acc [h][d], ml [h]: row r is head r.
+#endif   // (the decode kernels' prefetch; the packed prompt chunks below also build on AVX2)
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define FASTGEN_HAVE_PACKED_CHUNKS 1
 // The packed chunks and their online softmax: used by the AMX tiles (below) and, on hosts with
@@ -1115,6 +1115,78 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
   chunk_softmax_row<true, 0, F32>(sc, nv, mk, c2, ml, ar, d, pr);
 }
 
+#endif   // the AVX-512 packed chunks
+
+#if !defined(FASTGEN_HAVE_PACKED_CHUNKS) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 hosts (no AVX-512): the fp32 packed chunks' softmax on 8-lane vectors, the same steps as
+// chunk_softmax_row<..., F32 = true> (log2 units, one fused multiply-subtract, 2^t to fast_exp's
+// precision), keys outside [from, visible) masked by compares against their indices
+// 2^t to fast_exp's precision (its degree-6 polynomial in f = t - round(t)); t >= -126 (lower t
+// are clamped there, 2^-126 ~ 1e-38: what fast_exp gives below -87)
+inline __m256 exp2_8(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
+  const __m256 fi = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
+  const __m256 f = _mm256_sub_ps(t, fi);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// one row's online softmax over a packed chunk's raw scores sc[0 .. kend) (kend a multiple of 32),
+// the row seeing the chunk's keys [from, visible): fp32 probabilities in pr[kAmxKeys] (0 for the
+// keys it does not see), the accumulator ar[d] corrected where the maximum moved
+template <bool F32 = true>
+inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, int64_t kend, float c2, Partial& ml,
+                               float* ar, int64_t d, uint32_t* pr) {
+  static_assert(F32, "AVX2 hosts have the fp32 packed chunks only");
+  from = std::max<int64_t>(0, from);
+  visible = std::min<int64_t>(kend, visible);
+  float* p = reinterpret_cast<float*>(pr);
+  if (visible <= from) {
+    std::memset(p, 0, kAmxKeys * sizeof(float));
+    return;
+  }
+  const bool whole = from == 0 && visible == kend;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo = _mm256_set1_epi32(static_cast<int>(from) - 1), hi = _mm256_set1_epi32(static_cast<int>(visible));
+  auto seen = [&](int64_t j) {   // lanes of keys j .. j + 7 in [from, visible), as a float mask
+    const __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(j)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(idx, lo), _mm256_cmpgt_epi32(hi, idx)));
+  };
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m = ninf;
+  for (int64_t j = 0; j < kend; j += 8) {
+    const __m256 v = _mm256_loadu_ps(sc + j);
+    m = _mm256_max_ps(m, whole ? v : _mm256_blendv_ps(ninf, v, seen(j)));
+  }
+  const float mx = std::max(ml.m, hmax8(m));
+  const __m256 cv2 = _mm256_set1_ps(c2), mc = _mm256_set1_ps(mx * c2);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kend; j += 8) {
+    __m256 e = exp2_8(_mm256_fmsub_ps(_mm256_loadu_ps(sc + j), cv2, mc));
+    if (!whole) e = _mm256_and_ps(e, seen(j));
+    _mm256_storeu_ps(p + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float corr = 1.f;
+  if (mx != ml.m) {
+    corr = fast_exp((ml.m - mx) * (c2 * 0.6931471805599453f));
+    const __m256 cv = _mm256_set1_ps(corr);
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(ar + i, _mm256_mul_ps(_mm256_loadu_ps(ar + i), cv));
+  }
+  ml = Partial{mx, ml.l * corr + hsum8(sum)};
+}
+#endif
+
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS) || (defined(__AVX2__) && defined(__FMA__))
+// prompt chunks in fp32 on packed chunks (attend_chunk_f32): AVX-512 hosts and AVX2 hosts
+#define FASTGEN_HAVE_PACKED_F32 1
 // A prompt-chunk item on the packed chunks (attend_chunk_vec, attend_chunk_amx): its queries
 // [qa, qb) of sequence s and its rows (query x head sharing kv head kv: row r is query qa + r /
 // group, head kv * group + r % group), padded to a multiple of `pad` rows. Its queries go to qb16
@@ -1167,7 +1239,7 @@ inline PackedItem start_packed_item(const Item& item, const T* q, const int32_t*
   return it;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(FASTGEN_HAVE_PACKED_CHUNKS)
 #define FASTGEN_HAVE_CHUNK_VEC 1
 // Prompt chunks on hosts with AVX512-BF16 but no AMX tiles: the tiles' item (attend_chunk_amx)
 // with vdpbf16ps in their place, over the same packed chunks (laid out once per sequence and kv
@@ -1231,10 +1303,25 @@ inline void pack_chunk_f32(const float* kpool, const float* vpool, const int32_t
   auto key_at = [&](const float* pool, int64_t key) {
     return pool + ((static_cast<int64_t>(table[key / bs]) * bs + key % bs) * kvh + kv) * d;
   };
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
   for (int64_t jb = 0; jb < kAmxKeys; jb += 16)
     for (int64_t db = 0; db < d; db += 16)
       pack_keys16([&](int64_t j) { return reinterpret_cast<const uint32_t*>(key_at(kpool, k0 + jb + j)); },
                   num_keys - (k0 + jb), db, jb, kAmxKeys, kt);
+#else
+  // AVX2: 8 x 8 transposes (keys past the last read as zero)
+  float* ktf = reinterpret_cast<float*>(kt);
+  for (int64_t jb = 0; jb < kAmxKeys; jb += 8) {
+    const float* rows[8];
+    for (int64_t j = 0; j < 8; ++j) rows[j] = k0 + jb + j < num_keys ? key_at(kpool, k0 + jb + j) : nullptr;
+    for (int64_t db = 0; db < d; db += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = rows[j] != nullptr ? _mm256_loadu_ps(rows[j] + db) : _mm256_setzero_ps();
+      transpose8x8_epi32(reinterpret_cast<__m256i*>(r));
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(ktf + (db + c) * kAmxKeys + jb, r[c]);
+    }
+  }
+#endif
   for (int64_t j = 0; j < kAmxKeys; ++j) {
     if (k0 + j < num_keys)
       std::memcpy(vr + j * d, key_at(vpool, k0 + j), d * sizeof(float));
@@ -1246,9 +1333,27 @@ inline void pack_chunk_f32(const float* kpool, const float* vpool, const int32_t
 // the scores of four rows against a chunk's keys 0 .. kend - 1 (kend a multiple of 32): 64 keys a
 // pass (qk4_keys, 16 chains), then a last 32
 inline void qk_chunk_f32(const float* q, int64_t d, const float* kt, int64_t kend, float* sc) {
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
   int64_t jb = 0;
   for (; jb + 64 <= kend; jb += 64) qk4_keys<4>(q, d, kt, kAmxKeys, jb, sc);
   if (jb < kend) qk4_keys<2>(q, d, kt, kAmxKeys, jb, sc);
+#else   // AVX2: 16 keys a pass, eight FMA chains (qk4's loop with the chunk's row stride)
+  for (int64_t jb = 0; jb < kend; jb += 16) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; ++i) {
+      __m256 k0 = _mm256_loadu_ps(kt + i * kAmxKeys + jb), k1 = _mm256_loadu_ps(kt + i * kAmxKeys + jb + 8);
+      in_reg(k0), in_reg(k1);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(q + r * d + i);
+        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]), a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      _mm256_storeu_ps(sc + r * kAmxKeys + jb, a[r][0]), _mm256_storeu_ps(sc + r * kAmxKeys + jb + 8, a[r][1]);
+  }
+#endif
 }
 
 // one chunk item's attention in fp32 (d % 64 == 0; set up by start_packed_item with pad 4): acc
@@ -1271,8 +1376,9 @@ inline void attend_chunk_f32(const PackedItem& it, int64_t d, const uint32_t* pa
   }
 }
 
-#endif
+#endif   // FASTGEN_HAVE_PACKED_F32
 
+#if defined(__AVX512F__)   // the AMX chunks and the decode kernels (attend_decode_heads)
 #if defined(FASTGEN_HAVE_AMX)
 // ---------------------------------------------------------------------------------------
 // Prompt chunks on AMX tiles (bf16; amx.h). The keys and values a chunk's queries see are laid
@@ -1796,8 +1902,9 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   std::vector<int64_t> pack_off, seq_chunks;   // sized where the chunks are packed (not for decode-only steps)
   std::vector<std::array<int64_t, 3>> pack_tasks;
   static thread_local std::vector<uint32_t> packed_store;
-#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
+#if defined(FASTGEN_HAVE_PACKED_F32)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)   // (AVX2 hosts: bf16 chunks stay with attend_item)
     const bool chunks = num_decodes < num_seqs && d % 32 == 0 && d <= 256;
 #if defined(FASTGEN_HAVE_AMX)
     use_amx = chunks && amx_usable();
@@ -1806,8 +1913,10 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
 #if defined(FASTGEN_HAVE_CHUNK_VEC)
     use_packed = use_packed || (chunks && d % 64 == 0);
 #endif
+#endif
   } else {   // fp32 chunks (attend_chunk_f32)
-    use_packed = num_decodes < num_seqs && d % 64 == 0;
+    static const char* ab = nullptr; ab = std::getenv("FASTGEN_TMP_PACKED_F32");   // TEMPORARY A/B
+    use_packed = num_decodes < num_seqs && d % 64 == 0 && !(ab != nullptr && ab[0] == '0');
   }
   if (use_packed) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
   for (int64_t s = 0; use_packed && s < num_seqs; ++s) {
@@ -1843,16 +1952,18 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
     grow(kf, bs * d);
     grow(vf, bs * d);
     bool tiles = false;   // this thread configured the tiles (released at the end)
-#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
+#if defined(FASTGEN_HAVE_PACKED_F32)
     if (num_pack > 0) {   // (bf16 pairs for the tiles and vdpbf16ps, fp32 K^T and V for the FMAs)
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < num_pack; ++t) {
         const auto [s, kv, c] = pack_tasks[t];
         const int64_t num_keys = start_pos[s] + q_starts[s + 1] - q_starts[s];
-        if constexpr (std::is_same_v<T, at::BFloat16>)
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
           amx_pack_chunk(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys, num_keys,
                          packed + chunk_at(s, kv, c));
-        else
+#endif
+        } else
           pack_chunk_f32(kpool, vpool, tables + s * max_blocks, bs, kvh, d, kv, c * kAmxKeys, num_keys,
                          packed + chunk_at(s, kv, c));
       }
@@ -1887,9 +1998,10 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         }
       } else
 #endif
-#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
+#if defined(FASTGEN_HAVE_PACKED_F32)
       if (use_packed && !decode && seq_chunks[s] > 0) {   // bf16: tiles (32-row blocks) or vectors (8); fp32: vectors (4)
         if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(FASTGEN_HAVE_PACKED_CHUNKS)
           const PackedItem pi = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window,
                                                   use_amx ? 32 : 8, acc, ml, qb16, scores, pw);
           const uint32_t* chunks = packed + chunk_at(s, item.kv, 0);
@@ -1901,6 +2013,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
 #endif
 #if defined(FASTGEN_HAVE_CHUNK_VEC)
           if (!use_amx) attend_chunk_vec(pi, d, chunks, acc, ml, qb16, scores, pw);
+#endif
 #endif
         } else if constexpr (std::is_same_v<T, float>) {
           const PackedItem pi = start_packed_item(item, q, q_starts, start_pos, h, kvh, d, scale, window, 4, acc, ml,
@@ -2902,12 +3015,6 @@ constexpr bool kHaveA8Quads = false;
 // vpmaddubsw (pairs of products summed into 16-bit lanes; a nibble times |x| <= 127, two of
 // them and two such sums fit: 4 * 15 * 127 = 7,620) and vpmaddwd by ones (into 32-bit lanes).
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline float hsum8(__m256 v) {
-  __m128 z = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  z = _mm_add_ps(z, _mm_movehl_ps(z, z));
-  return _mm_cvtss_f32(_mm_add_ss(z, _mm_shuffle_ps(z, z, 1)));
-}
-
 // int8 x for qrows4_a8_avx2, each group of 32 rounded as qgemm_a8 rounds it (dx = max|x| / 127,
 // round to nearest even of x * (1 / dx); dsum = dx * sum(xq)), laid out to meet a pair of
 // groups' 32 weight bytes as they load: per pair 64 bytes, [weights 0..15 of g, of g + 1 |

@@ -87,6 +87,33 @@ inline __m512 fast_exp2_16(__m512 t) {
 }
 #endif
 
+#if defined(__AVX2__)
+// 8 x 8 32-bit words: word j of r[i] -> word i of r[j] (in-lane interleaves, then 128-bit
+// halves); qgemm_a8's AVX2 and VNNI layouts, and the AVX2 prompt chunks' keys (cpu_kernels.cpp)
+inline void transpose8x8_epi32(__m256i* r) {
+  __m256i t[8], v[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    v[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), v[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), v[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm256_permute2x128_si256(v[i], v[i + 4], 0x20), r[i + 4] = _mm256_permute2x128_si256(v[i], v[i + 4], 0x31);
+}
+
+// the sum and the maximum of a vector's eight lanes (halves, then pairs, then the last two)
+inline float hsum8(__m256 v) {
+  __m128 z = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  z = _mm_add_ps(z, _mm_movehl_ps(z, z));
+  return _mm_cvtss_f32(_mm_add_ss(z, _mm_shuffle_ps(z, z, 1)));
+}
+inline float hmax8(__m256 v) {
+  __m128 z = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  z = _mm_max_ps(z, _mm_movehl_ps(z, z));
+  return _mm_cvtss_f32(_mm_max_ss(z, _mm_shuffle_ps(z, z, 1)));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 // fast_exp on 8 lanes (the same steps; AVX2 hosts)
 inline __m256 fast_exp8(__m256 x) {

@@ -69,21 +69,6 @@ inline V* grown_aligned(std::vector<V>& store, size_t n) {
   return reinterpret_cast<V*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
 }
 
-#if defined(FASTGEN_A8_VNNI) || defined(FASTGEN_A8_AVX2)
-// 8 x 8 32-bit words: word j of r[i] -> word i of r[j] (in-lane interleaves, then 128-bit halves)
-inline void transpose8x8_epi32(__m256i* r) {
-  __m256i t[8], v[8];
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  for (int i = 0; i < 8; i += 4) {
-    v[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), v[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    v[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), v[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i)
-    r[i] = _mm256_permute2x128_si256(v[i], v[i + 4], 0x20), r[i + 4] = _mm256_permute2x128_si256(v[i], v[i + 4], 0x31);
-}
-
-#endif
-
 #if defined(FASTGEN_A8_AVX2)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {

@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -76,6 +76,13 @@ inline __m512 zeroed_ps() {
 // pv_rows, bound by the pool's reads, measured 1.13-1.17x with it: not there.)
 inline void in_reg(__m512& v) { asm volatile("" : "+v"(v)); }
 inline void in_reg(__m512i& v) { asm volatile("" : "+v"(v)); }
+#endif
+#if defined(__AVX2__)
+// the same on AVX2 hosts (qk4 / pv4 and the packed chunks' products, cpu_kernels.cpp): there GCC
+// folded each K or V vector into its four FMAs, 12 loads per 8 FMAs where 2 loads can issue a
+// cycle (Zen 3)
+inline void in_reg(__m256& v) { asm volatile("" : "+x"(v)); }
+inline void in_reg(__m256i& v) { asm volatile("" : "+x"(v)); }
 #endif
 
 // n fp16 values (bits) -> fp32, exactly
