@@ -24,7 +24,8 @@ in tiles) above that, and ``qgemm_a8`` (the same tiles in int8 through VNNI) fro
    two steps over its own product at the rows of :data:`HEAD_LADDER`: its rows are decode batches,
    and its crossovers are its own.
 
-Each point is the median of :data:`NUM_REPEATS` passes, the two kernels alternating. The points
+Each point is the first kernel's median over :data:`NUM_REPEATS` passes and, for the second, that
+plus the median of the paired differences (the two kernels back to back, in alternating order). The points
 and the choice are cached in fastgen's cache folder with the budget's key (CPU flags, threads,
 torch, model file, dtype, precision), so a warm start measures nothing. Measuring stops after
 :data:`MAX_MEASURE_S`; the formats then keep their fixed limits and nothing is cached.
@@ -178,14 +179,26 @@ def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Cal
     start = time.perf_counter()
 
     def compare(rows: int, first: Callable, second: Callable) -> tuple[int, float, float]:
+        """(rows, first's median ms, that plus the median of the paired differences second -
+        first): each pair is measured back to back, in alternating order, so a slow minute of the
+        VM weighs on both kernels of a pair. (With the medians of each kernel alone, one point of
+        the Zen 3 host's ladder came out 300 against 277 ms at 128 rows, where the runs before and
+        after gave 145 against 181: qgemm_a8 lost its prompt rows past 64, 1.2x the products' time.)"""
         one_pass(rows, first), one_pass(rows, second)        # warm-up: buffers, first touch
-        a, b = [], []
-        for _ in range(NUM_REPEATS):
-            a.append(one_pass(rows, first))
-            b.append(one_pass(rows, second))
+        a, diffs = [], []
+        for i in range(NUM_REPEATS):
+            if i % 2 == 0:
+                ta = one_pass(rows, first)
+                tb = one_pass(rows, second)
+            else:
+                tb = one_pass(rows, second)
+                ta = one_pass(rows, first)
+            a.append(ta)
+            diffs.append(tb - ta)
         if progress is not None:
             progress()
-        return rows, statistics.median(a), statistics.median(b)
+        med = statistics.median(a)
+        return rows, med, med + statistics.median(diffs)
 
     a8_points = []
     for n in a8_ladder:
