@@ -135,13 +135,15 @@ inline void micro_a8_avx2(const int32_t* xa, const float* dx, const float* dsum,
         for (int c = 0; c < 4; ++c) a[c][0] = a[c][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
-          const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xg + j * MB8 + v0));
-          const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xg + j * MB8 + v0 + 8));
+          __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xg + j * MB8 + v0));
+          __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xg + j * MB8 + v0 + 8));
+          in_reg(x0), in_reg(x1);
 #pragma GCC unroll 4
           for (int c = 0; c < 4; ++c) {
-            const __m256i wb = _mm256_set1_epi32(static_cast<int>(ug[j * NR8 + f0 + c]));
+            const __m256i wb = broadcast32_here(ug + j * NR8 + f0 + c);
             a[c][0] = _mm256_add_epi16(a[c][0], _mm256_maddubs_epi16(wb, x0));
             a[c][1] = _mm256_add_epi16(a[c][1], _mm256_maddubs_epi16(wb, x1));
+            in_reg(a[c][0]), in_reg(a[c][1]);   // (else GCC sums a group's 64 products as a tree, spilling them)
           }
         }
 #pragma GCC unroll 2

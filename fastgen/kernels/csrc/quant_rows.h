@@ -83,6 +83,15 @@ inline void in_reg(__m512i& v) { asm volatile("" : "+v"(v)); }
 // cycle (Zen 3)
 inline void in_reg(__m256& v) { asm volatile("" : "+x"(v)); }
 inline void in_reg(__m256i& v) { asm volatile("" : "+x"(v)); }
+// *p broadcast to eight lanes where the loop reads it: GCC hoists broadcasts that do not change
+// across an inner loop out of it, and where they are many (qgemm_a8's AVX2 micro-kernel: 32 of
+// W's words per group, invariant across the blocks of 16 rows) spills them all to the stack and
+// reloads them (Zen 3: 260 stack accesses of 256 bits in its loops)
+inline __m256i broadcast32_here(const uint32_t* p) {
+  __m256i r;
+  asm volatile("vpbroadcastd %1, %0" : "=x"(r) : "m"(*p));
+  return r;
+}
 #endif
 
 // n fp16 values (bits) -> fp32, exactly
