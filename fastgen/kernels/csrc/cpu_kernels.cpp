@@ -1915,8 +1915,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
 #endif
 #endif
   } else {   // fp32 chunks (attend_chunk_f32)
-    static const char* ab = nullptr; ab = std::getenv("FASTGEN_TMP_PACKED_F32");   // TEMPORARY A/B
-    use_packed = num_decodes < num_seqs && d % 64 == 0 && !(ab != nullptr && ab[0] == '0');
+    use_packed = num_decodes < num_seqs && d % 64 == 0;
   }
   if (use_packed) pack_off.assign(num_seqs + 1, 0), seq_chunks.assign(num_seqs, 0);
   for (int64_t s = 0; use_packed && s < num_seqs; ++s) {
