@@ -145,12 +145,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
             probs = torch.where(probs >= thr[:, None], probs, 0.0)
         chosen[sample_idx] = _draw(probs, srows, generator)
 
-    greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy_idx:  # argmax takes the first NaN, or index 0 of an all -inf row: neither is a choice
-        g = torch.tensor(greedy_idx, device=logits.device)
-        picked = logits[g].gather(1, chosen[g][:, None]).squeeze(1)
-        chosen[g] = torch.where(torch.isnan(picked) | (picked == float("-inf")), NO_TOKEN, chosen[g])
-    token_ids = chosen.tolist()
+    # the chosen logits (one per row, no copy of the rows): argmax takes the first NaN, or index 0
+    # of an all -inf row, and neither is a choice (a draw's own NO_TOKEN is gathered at index 0)
+    picked = logits.gather(1, chosen.clamp(min=0)[:, None]).squeeze(1).tolist()
+    token_ids = [NO_TOKEN if v != v or v == float("-inf") else t for t, v in zip(chosen.tolist(), picked)]
     logprobs: list[TokenLogprob | None] = [None] * n
     if raw_logprobs is not None:
         lp_rows = [i for i in range(n) if want_lp[i]]
