@@ -7,8 +7,9 @@ inside the AMX block), and those hosts fell back to PyTorch ops. Here every sour
 (to object code at -O0: an intrinsic inlined where its instructions are not enabled fails only at
 code generation, which a syntax-only pass missed on 12-06: the fp32 chunk attention's bf16 branch
 on hosts without AVX512-BF16) for an AVX2 host (Zen 3 / Haswell class),
-an AVX-512 + VNNI host without AVX512-BF16 or AMX (Ice Lake server), and one with AVX512-BF16 but
-no AMX (Cooper Lake, as Zen 4). ``FASTGEN_KERNEL_MARCH`` builds and runs those kernels on a host
+an AVX-512 + VNNI host without AVX512-BF16 or AMX (Ice Lake server), one with AVX512-BF16 but
+no AMX (Cooper Lake, as Zen 4), and one with AMX (Sapphire Rapids: 12-07 moved the packed prompt
+chunks out of the AVX-512 block, around the tiles' code). ``FASTGEN_KERNEL_MARCH`` builds and runs those kernels on a host
 whose CPU has the instructions (docs/architecture.md, Kernels)."""
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import fastgen.kernels as kernels
 
-ARCHES = ("haswell", "icelake-server", "cooperlake")
+ARCHES = ("haswell", "icelake-server", "cooperlake", "sapphirerapids")
 
 
 def _compile(arch: str, source: str) -> subprocess.CompletedProcess:

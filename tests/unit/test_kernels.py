@@ -242,7 +242,8 @@ def test_long_chunks_on_tiles_match_sdpa(d, group, window, dtype, amx):
     has them (keys laid out once per sequence and kv head, 32-row tiles of query x head, the last
     padded) and on the vector path (the same layout through vdpbf16ps, 8-row passes, the last
     padded); fp32: the same chunks as K^T and V in fp32 through FMAs, 4-row passes, 64 keys and a
-    last 32 a pass, fp32 probabilities (attend_chunk_f32); head dims that are not a multiple of 64
+    last 32 a pass (AVX2 hosts: 16 keys a pass, the keys laid out by 8 x 8 transposes), fp32
+    probabilities (attend_chunk_f32); head dims that are not a multiple of 64
     take the per-block path. A 300-query chunk after 450 cached keys, a fresh 77-query prompt, a
     decode and a 2-query chunk (fewer rows than the vector paths lay out keys for) in one call;
     head dims 64, 96 and 256 (Gemma 3), 1 to 4 heads a kv head, with and without a sliding window
