@@ -512,13 +512,13 @@ inline void pv4_bf16(const uint32_t* pw, int64_t bs, int64_t n, const uint32_t* 
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 hosts: the same four-row blocks in 8-lane vectors, 16 keys (QK) or 16 values of d (PV) a
 // pass: eight FMA chains and eleven of the sixteen registers
-// sc[4][bs] = q[4][d] . kt[d][bs]   (bs % 32 == 0)
-inline void qk4(const float* q, int64_t d, const float* kt, int64_t bs, float* sc) {
-  for (int64_t jb = 0; jb < bs; jb += 16) {
+// sc[4][0 .. n) = q[4][d] . kt[d][0 .. n)   (n % 16 == 0; kt's and sc's rows ld apart)
+inline void qk4_rows(const float* q, int64_t d, const float* kt, int64_t ld, int64_t n, float* sc) {
+  for (int64_t jb = 0; jb < n; jb += 16) {
     __m256 a[4][2];
     for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; ++i) {
-      __m256 k0 = _mm256_loadu_ps(kt + i * bs + jb), k1 = _mm256_loadu_ps(kt + i * bs + jb + 8);
+      __m256 k0 = _mm256_loadu_ps(kt + i * ld + jb), k1 = _mm256_loadu_ps(kt + i * ld + jb + 8);
       in_reg(k0), in_reg(k1);
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) {
@@ -527,9 +527,11 @@ inline void qk4(const float* q, int64_t d, const float* kt, int64_t bs, float* s
       }
     }
     for (int r = 0; r < 4; ++r)
-      _mm256_storeu_ps(sc + r * bs + jb, a[r][0]), _mm256_storeu_ps(sc + r * bs + jb + 8, a[r][1]);
+      _mm256_storeu_ps(sc + r * ld + jb, a[r][0]), _mm256_storeu_ps(sc + r * ld + jb + 8, a[r][1]);
   }
 }
+// sc[4][bs] = q[4][d] . kt[d][bs]   (bs % 32 == 0)
+inline void qk4(const float* q, int64_t d, const float* kt, int64_t bs, float* sc) { qk4_rows(q, d, kt, bs, bs, sc); }
 
 // acc[4][d] += p[4][bs] . vf[n][d]   (d % 64 == 0)
 inline void pv4(const float* p, int64_t bs, int64_t n, const float* vf, int64_t d, float* acc) {
@@ -1165,23 +1167,6 @@ inline void packed_softmax_row(const float* sc, int64_t from, int64_t visible, i
 // AVX2 hosts (no AVX-512): the fp32 packed chunks' softmax on 8-lane vectors, the same steps as
 // chunk_softmax_row<..., F32 = true> (log2 units, one fused multiply-subtract, 2^t to fast_exp's
 // precision), keys outside [from, visible) masked by compares against their indices
-// 2^t to fast_exp's precision (its degree-6 polynomial in f = t - round(t)); t >= -126 (lower t
-// are clamped there, 2^-126 ~ 1e-38: what fast_exp gives below -87)
-inline __m256 exp2_8(__m256 t) {
-  t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
-  const __m256 fi = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
-  const __m256 f = _mm256_sub_ps(t, fi);
-  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // one row's online softmax over a packed chunk's raw scores sc[0 .. kend) (kend a multiple of 32),
 // the row seeing the chunk's keys [from, visible): fp32 probabilities in pr[kAmxKeys] (0 for the
 // keys it does not see), the accumulator ar[d] corrected where the maximum moved
@@ -1381,22 +1366,8 @@ inline void qk_chunk_f32(const float* q, int64_t d, const float* kt, int64_t ken
   int64_t jb = 0;
   for (; jb + 64 <= kend; jb += 64) qk4_keys<4>(q, d, kt, kAmxKeys, jb, sc);
   if (jb < kend) qk4_keys<2>(q, d, kt, kAmxKeys, jb, sc);
-#else   // AVX2: 16 keys a pass, eight FMA chains (qk4's loop with the chunk's row stride)
-  for (int64_t jb = 0; jb < kend; jb += 16) {
-    __m256 a[4][2];
-    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; ++i) {
-      __m256 k0 = _mm256_loadu_ps(kt + i * kAmxKeys + jb), k1 = _mm256_loadu_ps(kt + i * kAmxKeys + jb + 8);
-      in_reg(k0), in_reg(k1);
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        const __m256 qv = _mm256_broadcast_ss(q + r * d + i);
-        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]), a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < 4; ++r)
-      _mm256_storeu_ps(sc + r * kAmxKeys + jb, a[r][0]), _mm256_storeu_ps(sc + r * kAmxKeys + jb + 8, a[r][1]);
-  }
+#else   // AVX2: 16 keys a pass, eight FMA chains
+  qk4_rows(q, d, kt, kAmxKeys, kend, sc);
 #endif
 }
 

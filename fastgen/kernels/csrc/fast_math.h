@@ -115,10 +115,11 @@ inline float hmax8(__m256 v) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// fast_exp on 8 lanes (the same steps; AVX2 hosts)
-inline __m256 fast_exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+// 2^t on 8 lanes to fast_exp's precision (its degree-6 polynomial in f = t - round(t)); t >= -126 (lower t
+// are clamped there, 2^-126 ~ 1e-38: what fast_exp gives below -87); the AVX2 prompt
+// chunks' softmax (cpu_kernels.cpp) and fast_exp8
+inline __m256 exp2_8(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
   const __m256 fi = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
   const __m256 f = _mm256_sub_ps(t, fi);
   __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
@@ -130,6 +131,13 @@ inline __m256 fast_exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// fast_exp on 8 lanes (the same steps; AVX2 hosts): x clamped, times log2 e, then exp2_8 (whose
+// clamp at -126 cannot bind after fast_exp's at -87)
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  return exp2_8(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)));
 }
 #endif
 
