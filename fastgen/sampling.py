@@ -147,7 +147,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 
     # the chosen logits (one per row, no copy of the rows): argmax takes the first NaN, or index 0
     # of an all -inf row, and neither is a choice (a draw's own NO_TOKEN is gathered at index 0)
-    picked = logits.gather(1, chosen.clamp(min=0)[:, None]).squeeze(1).tolist()
+    picked = logits.gather(1, (chosen.clamp(min=0) if sample_idx else chosen)[:, None]).squeeze(1).tolist()
     token_ids = [NO_TOKEN if v != v or v == float("-inf") else t for t, v in zip(chosen.tolist(), picked)]
     logprobs: list[TokenLogprob | None] = [None] * n
     if raw_logprobs is not None:
