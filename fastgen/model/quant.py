@@ -268,6 +268,12 @@ class QuantWeight:
         # (the kinds with int8 kernels in this build: 4 and 8 bits with AVX512-VNNI, 4 bits with AVX2)
         self.act_int8 = bool(int8_activations and self._qgemm_a8 is not None
                              and quant.kind in torch.ops.fastgen.a8_kinds())
+        # decode rows (qgemv) with int8 activations: act_int8's kinds and, on AVX2 hosts, 8-bit
+        # rows too (qrows8_a8_avx2: vpsignb + vpmaddubsw, where qgemm_a8 has no 8-bit path, so
+        # their prompt rows stay in the dtype). SmolLM2's Q8_0 head, one row from memory, Zen 3:
+        # see docs/architecture.md
+        self.decode_a8 = bool(int8_activations and (self.act_int8 or (
+            quant.mins is None and quant.kind in torch.ops.fastgen.a8_gemv_kinds())))
         # the fixed row limits; an engine measures its host's (fastgen/row_limits.py)
         self.min_a8_rows = self.MIN_A8_ROWS
         self.max_a8_rows = self.MAX_A8_ROWS   # past it qgemm again
@@ -280,8 +286,8 @@ class QuantWeight:
         """``(rows, act_int8)`` for x of ``dtype``: up to ``rows`` rows take qgemv, with this
         int8-activation flag (what :meth:`matmul` passes it; fastgen/model/stack.py reads it too)."""
         if dtype == torch.bfloat16:
-            return self.max_qgemv_rows_bf16, self.act_int8
-        return self.max_qgemv_rows, self.act_int8
+            return self.max_qgemv_rows_bf16, self.decode_a8
+        return self.max_qgemv_rows, self.decode_a8
 
     def stack_rows(self, dtype: torch.dtype) -> int:
         """The most rows the native layer stack (fastgen/model/stack.py) runs this format for: past

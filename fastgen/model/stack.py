@@ -43,7 +43,8 @@ def _product(d, linear: Linear, dtype: torch.dtype) -> tuple[Any, int] | None:
         limit, act_int8 = fmt.decode_plan(dtype)
         # past qgemv's limit, up to the few-row path of qgemm_a8 (QuantWeight.stack_rows), the
         # stack calls the many-row kernel matmul would call
-        return (d.product(q.kind, q.qweight, q.scales, q.mins, fmt.bias, act_int8, limit, fmt.min_a8_rows),
+        a8_rows = fmt.min_a8_rows if fmt.act_int8 else QuantWeight.MAX_A8_ROWS   # qgemm_a8 only where it serves the kind
+        return (d.product(q.kind, q.qweight, q.scales, q.mins, fmt.bias, act_int8, limit, a8_rows),
                 fmt.stack_rows(dtype))
     return None
 

@@ -195,22 +195,28 @@ def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
     return (g * (1 / step)).round().clamp(-127, 127).mul(step).view(t, k)
 
 
-def _skip_without_int8(bits: int = 4) -> None:
+def _skip_without_int8(bits: int = 4, decode: bool = False) -> None:
     """int8 activations need their kernels for ``bits``-bit rows (known once the kernels are
-    loaded, at run time): 4 and 8 bits with AVX512-VNNI, 4 bits with AVX2 (vpmaddubsw)."""
-    if bits not in torch.ops.fastgen.a8_kinds():
-        pytest.skip(f"no int8-activation kernel for {bits}-bit rows on this CPU")
+    loaded, at run time): 4 and 8 bits with AVX512-VNNI, 4 bits with AVX2 (vpmaddubsw); decode
+    rows (qgemv, ``decode``) 8 bits with AVX2 too (vpsignb + vpmaddubsw)."""
+    kinds = torch.ops.fastgen.a8_gemv_kinds() if decode else torch.ops.fastgen.a8_kinds()
+    if bits not in kinds:
+        pytest.skip(f"no int8-activation {'decode ' if decode else ''}kernel for {bits}-bit rows on this CPU")
 
 
 def test_int8_activations_are_taken_by_the_kinds_this_build_has_kernels_for():
     """A weight format asks for int8 activations only where its kind has them; where a kind has
     none, qgemm_a8 refuses it by name rather than computing something else."""
     g = torch.Generator().manual_seed(2)
-    kinds = torch.ops.fastgen.a8_kinds()
-    assert set(kinds) <= {4, 8}
+    kinds, decode_kinds = torch.ops.fastgen.a8_kinds(), torch.ops.fastgen.a8_gemv_kinds()
+    assert set(kinds) <= set(decode_kinds) <= {4, 8}
     for bits in (4, 8):
         fmt = QuantWeight(quantize(torch.randn(16, 64, generator=g), bits), None, int8_activations=True)
         assert fmt.act_int8 is (bits in kinds)
+        # decode rows (qgemv) may have an int8 kernel where prompt rows have none (8 bits on AVX2)
+        assert fmt.decode_plan(torch.float32)[1] is (bits in decode_kinds)
+        plain = QuantWeight(fmt.quant, None)
+        assert not plain.act_int8 and not plain.decode_plan(torch.float32)[1]
         if bits not in kinds:
             q = fmt.quant
             with pytest.raises(RuntimeError, match="qgemm_a8"):
@@ -304,18 +310,23 @@ def test_int8_decode_rows_sum_what_prompt_rows_sum(dtype, bits, k):
     made unsigned, 128 * sum(x) taken back) rounds x as qgemm_a8 does and sums the same terms:
     decode rows and prompt rows differ by the sums' order only, each a decode's output is the
     same in any batch (one row alone takes two W rows at a time), and the reference is x's
-    rounding times the exact weights."""
-    _skip_without_int8(bits)
+    rounding times the exact weights. On AVX2 hosts 8-bit rows have the decode kernel only
+    (qrows8_a8_avx2: |q| . (x with q's sign)), checked against the reference alone."""
+    _skip_without_int8(bits, decode=True)
     g = torch.Generator().manual_seed(k + bits)
     q = QuantWeight(quantize(torch.randn(75, k, generator=g), bits), None).quant
     x = torch.randn(7, k, generator=g).to(dtype)
     x[2, 32:64] = 0                            # a group of zeros
+    if bits == 8:
+        q.qweight.view(torch.int8)[3, :32] = -128   # q = -128: its |q| is the unsigned byte 128
+        x[4, :32] = -x[4, :32].abs()                # a group of one sign, so that |x| rounds to 127
     got = torch.ops.fastgen.qgemv(x, q.qweight, q.scales, q.mins, bits, True)
-    prompt = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, bits)
     want = _int8_per_group(x) @ q.dequantize().T
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
-    assert ((got.float() - prompt.float()).abs().max() / want.abs().max()).item() < tol
+    if bits in torch.ops.fastgen.a8_kinds():
+        prompt = torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, bits)
+        assert ((got.float() - prompt.float()).abs().max() / want.abs().max()).item() < tol
     for r in range(7):
         alone = torch.ops.fastgen.qgemv(x[r:r + 1], q.qweight, q.scales, q.mins, bits, True)
         assert torch.equal(alone[0], got[r])

@@ -578,8 +578,118 @@ inline void softmax_block32_avx2(Partial& ml, float* ar, int64_t d, float* sc) {
   }
   ml = Partial{mx, ml.l * corr + hsum8(l)};
 }
+
+// One decode's R query heads (R <= 4; rows of qf [R][d], scaled) against keys [from, visible) of
+// one block of an fp32 pool, read in place (key j's row at kb + j * stride, its value's at vb +
+// j * stride): an online-softmax step of each row's (max, sum) ml[r] and accumulator acc[r][d].
+// For AVX2 hosts, where a decode took attend_item's per-key path (the block widened into a copy,
+// then one dot product, one exp and one row update per key and head: ~80 ns a key for SmolLM2's
+// 9 heads on two Zen 3 threads; ~31 ns now, keys in cache). Here a key's R partial dot products
+// (two FMA chains a row, the key's vectors shared) are reduced together by three vhaddps into its
+// R scores, kept as [key][4]; the softmax runs on two keys' four rows a vector (each lane one
+// row's); the values are accumulated W vectors of d a pass over the keys, 8-12 FMA chains (16 of
+// d a pass, 2-8 chains, left the loop waiting on FMA latency). Prefetches: each key's value row
+// and the key row four on into L1 (16 MB of blocks in L3: 17 -> 26 M keys/s for 8 decodes at
+// 1,300 keys), and the next block's rows kn / vn (this KV head's; may be null) into L2.
+// sc: 4 * bs floats of scratch. d % 16 == 0.
+template <int R>
+inline void decode_block_avx2(const float* qf, int64_t d, const float* kb, const float* vb, int64_t stride,
+                              int64_t from, int64_t visible, float* sc, Partial* ml, float* acc,
+                              const float* kn = nullptr, const float* vn = nullptr) {
+  static_assert(R >= 1 && R <= 4, "decode_block_avx2: 1 to 4 rows");
+  if (visible <= from) return;
+  const int64_t row_bytes = d * 4;
+  for (int64_t j = from; j < visible; ++j) {
+    const float* kj = kb + j * stride;
+    {   // this key's value row and the key row four ahead into L1, the next block's rows into L2
+      const char* kp = reinterpret_cast<const char*>(kj + 4 * stride);
+      const char* vp = reinterpret_cast<const char*>(vb + j * stride);
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kp + o, 0, 3), __builtin_prefetch(vp + o, 0, 3);
+      if (kn != nullptr) {
+        const char* kq = reinterpret_cast<const char*>(kn + j * stride);
+        const char* vq = reinterpret_cast<const char*>(vn + j * stride);
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kq + o, 0, 2), __builtin_prefetch(vq + o, 0, 2);
+      }
+    }
+    __m256 a[4], e[4];   // two FMA chains a row (even and odd vectors of d)
+    for (int r = 0; r < 4; ++r) a[r] = e[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      __m256 k0 = _mm256_loadu_ps(kj + c), k1 = _mm256_loadu_ps(kj + c + 8);
+      in_reg(k0), in_reg(k1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qf + r * d + c), a[r]),
+        e[r] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(qf + r * d + c + 8), e[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) a[r] = _mm256_add_ps(a[r], e[r]);
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_storeu_ps(sc + 4 * j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+  // the rows' maxima over these keys and before (lane r: row r)
+  __m128 m4 = _mm_setr_ps(ml[0].m, R > 1 ? ml[1].m : 0.f, R > 2 ? ml[2].m : 0.f, R > 3 ? ml[3].m : 0.f);
+  for (int64_t j = from; j < visible; ++j) m4 = _mm_max_ps(m4, _mm_loadu_ps(sc + 4 * j));
+  alignas(16) float mx[4];
+  _mm_store_ps(mx, m4);
+  const __m256 mv = _mm256_setr_m128(m4, m4);
+  __m256 l8 = _mm256_setzero_ps();
+  int64_t j = from;
+  for (; j + 2 <= visible; j += 2) {
+    const __m256 pv = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + 4 * j), mv));
+    _mm256_storeu_ps(sc + 4 * j, pv);
+    l8 = _mm256_add_ps(l8, pv);
+  }
+  __m128 l4 = _mm_add_ps(_mm256_castps256_ps128(l8), _mm256_extractf128_ps(l8, 1));
+  if (j < visible) {   // an odd last key
+    const __m128 pv = _mm256_castps256_ps128(fast_exp8(_mm256_sub_ps(_mm256_castps128_ps256(_mm_loadu_ps(sc + 4 * j)), mv)));
+    _mm_storeu_ps(sc + 4 * j, pv);
+    l4 = _mm_add_ps(l4, pv);
+  }
+  alignas(16) float ls[4];
+  _mm_store_ps(ls, l4);
+  for (int r = 0; r < R; ++r) {
+    if (mx[r] != ml[r].m) {   // else the correction is exactly 1: skipped
+      const float corr = fast_exp(ml[r].m - mx[r]);
+      const __m256 cv = _mm256_set1_ps(corr);
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(acc + r * d + i, _mm256_mul_ps(_mm256_loadu_ps(acc + r * d + i), cv));
+      ml[r] = Partial{mx[r], ml[r].l * corr + ls[r]};
+    } else {
+      ml[r].l += ls[r];
+    }
+  }
+  // the values: W vectors of d a pass (4 * W accumulators at most: 8 or 12 chains), each key's
+  // vectors read once a pass and multiplied by each row's probability
+  constexpr int W = R == 1 ? 8 : R == 4 ? 2 : 4;
+  const bool wide = d % (8 * W) == 0;
+  auto pass = [&](auto wtag, int64_t ib) {
+    constexpr int WV = decltype(wtag)::value;
+    __m256 a[R][WV];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int w = 0; w < WV; ++w) a[r][w] = _mm256_loadu_ps(acc + r * d + ib + 8 * w);
+    for (int64_t jj = from; jj < visible; ++jj) {
+      const float* vj = vb + jj * stride + ib;
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 pv = _mm256_broadcast_ss(sc + 4 * jj + r);
+#pragma GCC unroll 8
+        for (int w = 0; w < WV; ++w) a[r][w] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * w), a[r][w]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int w = 0; w < WV; ++w) _mm256_storeu_ps(acc + r * d + ib + 8 * w, a[r][w]);
+  };
+  if (wide)
+    for (int64_t ib = 0; ib < d; ib += 8 * W) pass(std::integral_constant<int, W>{}, ib);
+  else
+    for (int64_t ib = 0; ib < d; ib += 16) pass(std::integral_constant<int, 2>{}, ib);
+}
 constexpr bool kHaveBlocked = true;
 constexpr bool kHaveSoftmax32Avx2 = true;
+constexpr bool kHaveDecodeAvx2 = true;
 #else
 inline void qk4(const float*, int64_t, const float*, int64_t, float*) {}
 inline void pv4(const float*, int64_t, int64_t, const float*, int64_t, float*) {}
@@ -588,6 +698,10 @@ constexpr bool kHaveBlocked = false;
 #if !(!defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__))
 inline void softmax_block32_avx2(Partial&, float*, int64_t, float*) {}
 constexpr bool kHaveSoftmax32Avx2 = false;
+template <int R>
+inline void decode_block_avx2(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float*,
+                              Partial*, float*) {}
+constexpr bool kHaveDecodeAvx2 = false;
 #endif
 
 // one row's online-softmax update over a block's scores sc[from..visible): sc becomes the
@@ -854,6 +968,61 @@ inline void pair_value_rows(const uint16_t* v0, const uint16_t* v1, int64_t d, u
 #endif
   for (; i < d; ++i)
     dst[i] = (v0 != nullptr ? static_cast<uint32_t>(v0[i]) : 0u) | (v1 != nullptr ? static_cast<uint32_t>(v1[i]) << 16 : 0u);
+}
+
+// One decode's key split (item.part of item.num_parts) with all its heads, on AVX2 hosts with an
+// fp32 pool (decode_block_avx2 for each KV head's query heads, four rows at a time): each block's
+// keys and values are read in place, the KV heads one after another within a block, so that a
+// split streams its blocks whole (one KV head per item read a third of each block's lines, with a
+// stride). acc [h][d], ml [h]. Prefetches (decode_block_avx2): each key's value row and the key
+// row four keys on into L1, and the next block's rows of the same KV head into L2, key by key
+// (a burst of the next block's lines at each KV head's step: level from memory, and ~12% of the
+// samples with the blocks in cache).
+inline void attend_decode_avx2(const Item& item, const float* q, const float* kpool, const float* vpool,
+                               const int32_t* q_starts, const int32_t* start_pos, const int32_t* tables,
+                               int64_t max_blocks, int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale,
+                               int64_t window, std::vector<float>& acc, std::vector<Partial>& ml,
+                               std::vector<float>& qf, std::vector<float>& scores) {
+  const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
+  const int64_t first = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+  const int64_t fb = first / bs, nblk = (p0 + 1 + bs - 1) / bs;
+  const int64_t b0 = fb + (nblk - fb) * item.part / item.num_parts, b1 = fb + (nblk - fb) * (item.part + 1) / item.num_parts;
+  qf.resize(h * d);
+  acc.assign(h * d, 0.f);
+  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+  if (scores.size() < static_cast<size_t>(4 * bs)) scores.resize(4 * bs);
+  const float* qs = q + q_starts[s] * h * d;
+  for (int64_t i = 0; i < h * d; ++i) qf[i] = qs[i] * scale;
+  const int32_t* table = tables + s * max_blocks;
+  const int64_t block_floats = bs * kvh * d;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
+    const int64_t from = std::max<int64_t>(0, first - first_key);
+    const float* kblk = kpool + static_cast<int64_t>(table[b]) * block_floats;
+    const float* vblk = vpool + static_cast<int64_t>(table[b]) * block_floats;
+    const char* knext = b + 1 < b1 ? reinterpret_cast<const char*>(kpool + static_cast<int64_t>(table[b + 1]) * block_floats) : nullptr;
+    const char* vnext = b + 1 < b1 ? reinterpret_cast<const char*>(vpool + static_cast<int64_t>(table[b + 1]) * block_floats) : nullptr;
+    for (int64_t kv = 0; kv < kvh; ++kv) {
+      for (int64_t r0 = 0; r0 < group; r0 += 4) {
+        const int64_t rn = std::min<int64_t>(4, group - r0), row = kv * group + r0;
+        const float* qr = qf.data() + row * d;
+        const float* kb = kblk + kv * d;
+        const float* vb = vblk + kv * d;
+        float* ar = acc.data() + row * d;
+        Partial* mr = ml.data() + row;
+        float* sc = scores.data();
+        // the next block's rows of this KV head, prefetched into L2 key by key (once per head)
+        const float* kn = knext != nullptr && r0 == 0 ? reinterpret_cast<const float*>(knext) + kv * d : nullptr;
+        const float* vn = vnext != nullptr && r0 == 0 ? reinterpret_cast<const float*>(vnext) + kv * d : nullptr;
+        switch (rn) {
+          case 1: decode_block_avx2<1>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
+          case 2: decode_block_avx2<2>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
+          case 3: decode_block_avx2<3>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
+          default: decode_block_avx2<4>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
+        }
+      }
+    }
+  }
 }
 
 template <typename T, int64_t DC>
@@ -1866,6 +2035,7 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
   // kernel builds; else one per KV head (attend_item)
   bool heads = false;
   if constexpr (decode_heads_built<T, DC>()) heads = decode_kernel_enabled();
+  if constexpr (kHaveDecodeAvx2 && std::is_same_v<T, float>) heads = d % 16 == 0;
   if constexpr (decode_i8_built<DC>()) {
     if (i8 != nullptr) heads = true;   // the caller sends an 8-bit pool only where this kernel is built
   }
@@ -2013,6 +2183,11 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
         }
       } else
 #endif
+      if (kHaveDecodeAvx2 && all_heads) {
+        if constexpr (kHaveDecodeAvx2 && std::is_same_v<T, float>)
+          attend_decode_avx2(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh, d, bs, scale,
+                             window, acc, ml, qf, scores);
+      } else
 #if defined(FASTGEN_HAVE_PACKED_F32)
       if (use_packed && !decode && seq_chunks[s] > 0) {   // bf16: tiles (32-row blocks) or vectors (8); fp32: vectors (4)
         if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -3034,6 +3209,8 @@ constexpr bool kHaveA8Quads = false;
 // round to nearest even of x * (1 / dx); dsum = dx * sum(xq)), laid out to meet a pair of
 // groups' 32 weight bytes as they load: per pair 64 bytes, [weights 0..15 of g, of g + 1 |
 // weights 16..31 of g, of g + 1]; a last single group as [0..15 | 16..31].
+// plain: the bytes in k order instead (a group's 32 at g * 32; qrows8_a8_avx2's 8-bit rows)
+template <bool Plain = false>
 inline void quantize_x_pairs_avx2(const float* xr, int64_t k, int8_t* xq, float* dx, float* dsum) {
   const int64_t groups = k / 32, pairs = groups / 2;
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -3060,7 +3237,9 @@ inline void quantize_x_pairs_avx2(const float* xr, int64_t k, int8_t* xq, float*
     const __m256i b = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
     int64_t lo, hi;   // where weights 0..15 and 16..31 of group g go
-    if (g < 2 * pairs)
+    if (Plain)
+      lo = g * 32, hi = lo + 16;
+    else if (g < 2 * pairs)
       lo = (g / 2) * 64 + (g % 2) * 16, hi = lo + 32;
     else
       lo = pairs * 64, hi = lo + 16;
@@ -3089,29 +3268,66 @@ __attribute__((always_inline)) inline void qrows4_a8_avx2(const uint8_t* wr, int
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i idx2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int64_t pairs = groups / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m256i xa[RN], xb[RN];
+  // pair p's products, as fp32: 4 lanes a group
+  auto pair_dot = [&](const __m256i b, const __m256i xa, const __m256i xb) {
+    const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    return _mm256_cvtepi32_ps(
+        _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), ones));
+  };
+  // eight groups (four pairs) at a time: their s[g] * dx[g] made in one multiply from 8 fp16
+  // scales and 8 of x's and put in the order [even groups | odd groups] by one vpermps, so that
+  // a pair's two (lanes 0..3: its first group, 4..7: its second) are spread by one in-lane
+  // vpermilps with an immediate (one fp16 pair widened, spread and multiplied a pair before)
+  const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  int64_t p = 0;
+  for (; 2 * p + 8 <= groups; p += 4) {
+    __m256 sd[WN][RN];
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + w * groups + 2 * p)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r)
+        sd[w][r] = _mm256_permutevar8x32_ps(_mm256_mul_ps(s8, _mm256_loadu_ps(dx[r] + 2 * p)), even_odd);
+    }
+    auto step = [&](auto j) {
+      constexpr int J = decltype(j)::value;
+      __m256i xa[RN], xb[RN];
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        xa[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + (p + J) * 64));
+        xb[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + (p + J) * 64 + 32));
+      }
+#pragma GCC unroll 4
+      for (int w = 0; w < WN; ++w) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + (p + J) * 32));
+#pragma GCC unroll 4
+        for (int r = 0; r < RN; ++r)
+          acc[w][r] = _mm256_fmadd_ps(pair_dot(b, xa[r], xb[r]), _mm256_permute_ps(sd[w][r], J * 0x55), acc[w][r]);
+      }
+    };
+    step(std::integral_constant<int, 0>{});
+    step(std::integral_constant<int, 1>{});
+    step(std::integral_constant<int, 2>{});
+    step(std::integral_constant<int, 3>{});
+  }
+  for (; p < pairs; ++p) {   // the last pairs (fewer than four), a pair's scales at a time
     __m256 dx2[RN];
 #pragma GCC unroll 4
-    for (int r = 0; r < RN; ++r) {
-      xa[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64));
-      xb[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64 + 32));
+    for (int r = 0; r < RN; ++r)
       dx2[r] = _mm256_permutevar8x32_ps(
           _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx[r] + 2 * p)))), idx2);
-    }
 #pragma GCC unroll 4
     for (int w = 0; w < WN; ++w) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + p * 32));
-      const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
       uint32_t sbits;   // two fp16
       std::memcpy(&sbits, sc + w * groups + 2 * p, 4);
       const __m256 s2 = _mm256_permutevar8x32_ps(
           _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(sbits)))), idx2);
 #pragma GCC unroll 4
       for (int r = 0; r < RN; ++r) {
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[r]), _mm256_maddubs_epi16(hi, xb[r]));
-        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones));
-        acc[w][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx2[r]), s2, acc[w][r]);
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64));
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + p * 64 + 32));
+        acc[w][r] = _mm256_fmadd_ps(pair_dot(b, xa, xb), _mm256_mul_ps(s2, dx2[r]), acc[w][r]);
       }
     }
   }
@@ -3190,6 +3406,73 @@ inline void qrow_avx2(const uint8_t* wr, const float* sc, const float* xf, int64
   }
   for (int r = 0; r < RN; ++r) totals[r] = hsum8(_mm256_add_ps(acc[r], acc2[r]));
 }
+
+// int8 x (quantize_x_pairs_avx2<true>: k order) against 8-bit W rows without minima (Q8_0;
+// w = s[g] * q, q signed): WN consecutive W rows (row_bytes apart, their fp16 scales `groups`
+// apart) against RN rows of x, totals [WN][RN] of sum_g s[g] dx[g] * dot(q, xq). vpmaddubsw takes
+// unsigned bytes on one side, so each group's products are |q| times xq with q's sign moved onto
+// xq (vpsignb); |q| <= 128 and |xq| <= 127, so a pair's sum (<= 32,512) fits its 16-bit lane and
+// q = -128 is exact (its |q| is the unsigned byte 128). Per group of 32: vpabsb, vpsignb,
+// vpmaddubsw, vpmaddwd by ones, a conversion and an FMA by s * dx (eight groups' products made
+// in one multiply, spread by vpermps); even and odd groups in two accumulators. The fp32 path it
+// replaces (qrow_avx2) took a widening load, a conversion and an FMA per 8 weights. Each (W row,
+// x row) takes the same operations in the same order whatever WN and RN are.
+template <int WN, int RN>
+__attribute__((always_inline)) inline void qrows8_a8_avx2(const uint8_t* wr, int64_t row_bytes, const uint16_t* sc,
+                                                          const int8_t* const* xq, const float* const* dx,
+                                                          int64_t groups, float* totals) {
+  __m256 acc[WN][RN][2];
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w)
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) acc[w][r][0] = acc[w][r][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  // group g's products: |q| . (xq with q's sign), summed into 8 int32 lanes, as fp32
+  auto dot = [&](const __m256i wv, const __m256i xv) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), ones));
+  };
+  int64_t g0 = 0;
+  for (; g0 + 8 <= groups; g0 += 8) {
+    __m256 sd[WN][RN];   // s[g] * dx[g] of these 8 groups
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + w * groups + g0)));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) sd[w][r] = _mm256_mul_ps(s8, _mm256_loadu_ps(dx[r] + g0));
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = g0 + j;
+      const __m256i idx = _mm256_set1_epi32(j);
+      __m256i xv[RN];
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g * 32));
+#pragma GCC unroll 4
+      for (int w = 0; w < WN; ++w) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + g * 32));
+#pragma GCC unroll 4
+        for (int r = 0; r < RN; ++r)
+          acc[w][r][j & 1] = _mm256_fmadd_ps(dot(wv, xv[r]), _mm256_permutevar8x32_ps(sd[w][r], idx), acc[w][r][j & 1]);
+      }
+    }
+  }
+  for (; g0 < groups; ++g0) {   // the last groups (fewer than 8), one scale at a time
+#pragma GCC unroll 4
+    for (int w = 0; w < WN; ++w) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + w * row_bytes + g0 * 32));
+      const float s1 = half_to_float(sc[w * groups + g0]);
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g0 * 32));
+        acc[w][r][g0 & 1] = _mm256_fmadd_ps(dot(wv, xv), _mm256_set1_ps(s1 * dx[r][g0]), acc[w][r][g0 & 1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int w = 0; w < WN; ++w)
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) totals[w * RN + r] = hsum8(_mm256_add_ps(acc[w][r][0], acc[w][r][1]));
+}
 constexpr bool kHaveA8Avx2 = true;
 #else
 constexpr bool kHaveA8Avx2 = false;
@@ -3244,12 +3527,14 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
                         groups % 2 == 0 && qgemv_bf16_enabled();
   // int8 x against 4-bit rows: the quads kernel (qrows4_a8), qgemm_a8's sums; 8-bit rows: qrow_vnni
   const bool a8_quads = vnni && kind == 4 && kHaveA8Quads;
-  // AVX2 hosts: int8 x against 4-bit rows through vpmaddubsw (qrows4_a8_avx2)
+  // AVX2 hosts: int8 x against 4-bit rows through vpmaddubsw (qrows4_a8_avx2), against 8-bit
+  // rows without minima through vpsignb and vpmaddubsw (qrows8_a8_avx2)
   const bool a8_avx2 = act_int8 && kHaveA8Avx2 && kind == 4;
+  const bool a8_avx2_eight = act_int8 && kHaveA8Avx2 && kind == 8 && mins_h == nullptr;
   // int8 x against 8-bit rows without minima: qrows8_a8 (qrow_vnni for rows with minima)
   const bool a8_eight = vnni && kind == 8 && kHaveA8Quads && mins_h == nullptr;
   // the kernels that sum the rounded x (dsum) and widen their fp16 scales in registers
-  const bool a8_rows = a8_quads || a8_avx2 || a8_eight;
+  const bool a8_rows = a8_quads || a8_avx2 || a8_eight || a8_avx2_eight;
   // x in fp32 for the other row kernels (the bf16 dot products read x itself); every kernel but
   // the int8 row kernels (which sum the rounded x, dsum) takes x's group sums (for the minima)
   std::vector<float> xf(bf16_dot ? 0 : m * k), xsum(a8_rows ? 0 : m * groups, 0.f);
@@ -3268,12 +3553,15 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
     }
   }
 #endif
-  std::vector<int8_t> xq(vnni || a8_avx2 ? m * (k + 64) : 0);
-  std::vector<float> dx(vnni || a8_avx2 ? m * groups : 0), dsum(a8_rows ? m * groups : 0);
+  std::vector<int8_t> xq(vnni || a8_avx2 || a8_avx2_eight ? m * (k + 64) : 0);
+  std::vector<float> dx(vnni || a8_avx2 || a8_avx2_eight ? m * groups : 0), dsum(a8_rows ? m * groups : 0);
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   for (int64_t r = 0; a8_avx2 && r < m; ++r)
     quantize_x_pairs_avx2(xf.data() + r * k, k, xq.data() + r * (k + 64), dx.data() + r * groups,
                           dsum.data() + r * groups);
+  for (int64_t r = 0; a8_avx2_eight && r < m; ++r)
+    quantize_x_pairs_avx2<true>(xf.data() + r * k, k, xq.data() + r * (k + 64), dx.data() + r * groups,
+                                dsum.data() + r * groups);
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   for (int64_t r = 0; a8_quads && r < m; ++r)
@@ -3373,6 +3661,14 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
                   const float* const* dss, float* totals) {
         qrows4_a8_avx2<decltype(wn)::value, decltype(rn)::value>(wr, row_bytes, scales_h + w0 * groups,
                                                                  mins_h + w0 * groups, xqs, dxs, dss, groups, totals);
+      });
+      return;
+    }
+    if (a8_avx2_eight) {   // int8 x against 8-bit rows, AVX2
+      a8_loop([&](auto wn, auto rn, const uint8_t* wr, int64_t w0, const int8_t* const* xqs, const float* const* dxs,
+                  const float* const*, float* totals) {
+        qrows8_a8_avx2<decltype(wn)::value, decltype(rn)::value>(wr, row_bytes, scales_h + w0 * groups, xqs, dxs,
+                                                                 groups, totals);
       });
       return;
     }
@@ -3494,6 +3790,7 @@ TORCH_LIBRARY(fastgen, m) {
   m.def("qgemv(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, bool act_int8=False) -> Tensor");
   m.def("have_vnni() -> bool");
   m.def("a8_kinds() -> int[]");
+  m.def("a8_gemv_kinds() -> int[]");
   m.def("have_bf16_dot() -> bool");
   m.def("have_amx() -> bool");
   m.def("set_amx(bool on) -> bool");
@@ -3514,6 +3811,12 @@ std::vector<int64_t> a8_kinds() {
   if (kHaveA8Avx2) return {4};
   return {};
 }
+// the weight kinds whose decode rows (qgemv) have int8-activation kernels: a8_kinds and, on AVX2
+// hosts, 8-bit rows without minima (qrows8_a8_avx2; their many-row products stay in the dtype)
+std::vector<int64_t> a8_gemv_kinds() {
+  if (kHaveVnni || kHaveA8Avx2) return {4, 8};
+  return {};
+}
 // bf16 x takes qgemv's vdpbf16ps kernel (AVX512-BF16, FASTGEN_QGEMV_BF16 not 0)
 bool have_bf16_dot() { return kHaveBf16Dot && qgemv_bf16_enabled(); }
 // whether bf16 prompt products (qgemm) and prompt-chunk attention run on AMX tiles now (amx.h)
@@ -3528,6 +3831,7 @@ bool set_amx(bool on) {
 TORCH_LIBRARY_IMPL(fastgen, CompositeExplicitAutograd, m) {
   m.impl("have_vnni", &have_vnni);
   m.impl("a8_kinds", &a8_kinds);
+  m.impl("a8_gemv_kinds", &a8_gemv_kinds);
   m.impl("have_bf16_dot", &have_bf16_dot);
   m.impl("have_amx", &have_amx);
   m.impl("set_amx", &set_amx);
