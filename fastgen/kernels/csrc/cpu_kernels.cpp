@@ -2052,6 +2052,9 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       if (num_decodes * decode_kv_items < target_items)
         want = std::max<int64_t>(1, (target_items * num_keys(s)) / (decode_keys * decode_kv_items));
       parts = std::min<int64_t>(want, std::max<int64_t>(1, nblk / 2));
+      // a whole number of splits a thread where they are fewer than items to go round (one
+      // decode at 200 keys: 3 splits over 2 threads left one thread idle a third of the time)
+      if (num_decodes * decode_kv_items * parts <= target_items && parts > num_threads) parts -= parts % num_threads;
       if (heads) {
         for (int64_t part = 0; part < parts; ++part) items.push_back(Item{s, -1, part, parts});
         continue;
