@@ -700,7 +700,7 @@ inline void softmax_block32_avx2(Partial&, float*, int64_t, float*) {}
 constexpr bool kHaveSoftmax32Avx2 = false;
 template <int R>
 inline void decode_block_avx2(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float*,
-                              Partial*, float*) {}
+                              Partial*, float*, const float* = nullptr, const float* = nullptr) {}
 constexpr bool kHaveDecodeAvx2 = false;
 #endif
 
