@@ -201,7 +201,8 @@ def _skip_without_int8(bits: int = 4, decode: bool = False) -> None:
     rows (qgemv, ``decode``) 8 bits with AVX2 too (vpsignb + vpmaddubsw)."""
     kinds = torch.ops.fastgen.a8_gemv_kinds() if decode else torch.ops.fastgen.a8_kinds()
     if bits not in kinds:
-        pytest.skip(f"no int8-activation {'decode ' if decode else ''}kernel for {bits}-bit rows on this CPU")
+        rows = "decode" if decode else "prompt"
+        pytest.skip(f"no int8-activation kernel for {bits}-bit {rows} rows on this CPU")
 
 
 def test_int8_activations_are_taken_by_the_kinds_this_build_has_kernels_for():

@@ -970,6 +970,33 @@ inline void pair_value_rows(const uint16_t* v0, const uint16_t* v1, int64_t d, u
     dst[i] = (v0 != nullptr ? static_cast<uint32_t>(v0[i]) : 0u) | (v1 != nullptr ? static_cast<uint32_t>(v1[i]) << 16 : 0u);
 }
 
+// A decode item's keys: the first visible one (a sliding window's start, else 0) and its key
+// split's blocks [b0, b1) of the sequence at position p0
+struct DecodeSplit {
+  int64_t visible_from, b0, b1;
+};
+inline DecodeSplit decode_split(const Item& item, int64_t p0, int64_t bs, int64_t window) {
+  const int64_t visible_from = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+  const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
+  return {visible_from, fb + (nblk - fb) * item.part / item.num_parts, fb + (nblk - fb) * (item.part + 1) / item.num_parts};
+}
+// a decode item's accumulators cleared: [h][d] values, (max, sum) per head
+inline void start_decode_item(int64_t h, int64_t d, std::vector<float>& acc, std::vector<Partial>& ml) {
+  acc.assign(h * d, 0.f);
+  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+}
+
+// f(std::integral_constant<int, RN>) for RN = rn (1..4): the row kernels take RN at compile time
+template <typename F>
+inline void by_rows(int64_t rn, F&& f) {
+  switch (rn) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // One decode's key split (item.part of item.num_parts) with all its heads, on AVX2 hosts with an
 // fp32 pool (decode_block_avx2 for each KV head's query heads, four rows at a time): each block's
 // keys and values are read in place, the KV heads one after another within a block, so that a
@@ -984,12 +1011,9 @@ inline void attend_decode_avx2(const Item& item, const float* q, const float* kp
                                int64_t window, std::vector<float>& acc, std::vector<Partial>& ml,
                                std::vector<float>& qf, std::vector<float>& scores) {
   const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
-  const int64_t first = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-  const int64_t fb = first / bs, nblk = (p0 + 1 + bs - 1) / bs;
-  const int64_t b0 = fb + (nblk - fb) * item.part / item.num_parts, b1 = fb + (nblk - fb) * (item.part + 1) / item.num_parts;
+  const auto [first, b0, b1] = decode_split(item, p0, bs, window);
+  start_decode_item(h, d, acc, ml);
   qf.resize(h * d);
-  acc.assign(h * d, 0.f);
-  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
   if (scores.size() < static_cast<size_t>(4 * bs)) scores.resize(4 * bs);
   const float* qs = q + q_starts[s] * h * d;
   for (int64_t i = 0; i < h * d; ++i) qf[i] = qs[i] * scale;
@@ -1000,8 +1024,8 @@ inline void attend_decode_avx2(const Item& item, const float* q, const float* kp
     const int64_t from = std::max<int64_t>(0, first - first_key);
     const float* kblk = kpool + static_cast<int64_t>(table[b]) * block_floats;
     const float* vblk = vpool + static_cast<int64_t>(table[b]) * block_floats;
-    const char* knext = b + 1 < b1 ? reinterpret_cast<const char*>(kpool + static_cast<int64_t>(table[b + 1]) * block_floats) : nullptr;
-    const char* vnext = b + 1 < b1 ? reinterpret_cast<const char*>(vpool + static_cast<int64_t>(table[b + 1]) * block_floats) : nullptr;
+    const float* knext = b + 1 < b1 ? kpool + static_cast<int64_t>(table[b + 1]) * block_floats : nullptr;
+    const float* vnext = b + 1 < b1 ? vpool + static_cast<int64_t>(table[b + 1]) * block_floats : nullptr;
     for (int64_t kv = 0; kv < kvh; ++kv) {
       for (int64_t r0 = 0; r0 < group; r0 += 4) {
         const int64_t rn = std::min<int64_t>(4, group - r0), row = kv * group + r0;
@@ -1012,14 +1036,11 @@ inline void attend_decode_avx2(const Item& item, const float* q, const float* kp
         Partial* mr = ml.data() + row;
         float* sc = scores.data();
         // the next block's rows of this KV head, prefetched into L2 key by key (once per head)
-        const float* kn = knext != nullptr && r0 == 0 ? reinterpret_cast<const float*>(knext) + kv * d : nullptr;
-        const float* vn = vnext != nullptr && r0 == 0 ? reinterpret_cast<const float*>(vnext) + kv * d : nullptr;
-        switch (rn) {
-          case 1: decode_block_avx2<1>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
-          case 2: decode_block_avx2<2>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
-          case 3: decode_block_avx2<3>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
-          default: decode_block_avx2<4>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn); break;
-        }
+        const float* kn = knext != nullptr && r0 == 0 ? knext + kv * d : nullptr;
+        const float* vn = vnext != nullptr && r0 == 0 ? vnext + kv * d : nullptr;
+        by_rows(rn, [&](auto rows) {
+          decode_block_avx2<decltype(rows)::value>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn);
+        });
       }
     }
   }
@@ -1653,22 +1674,6 @@ inline void attend_chunk_amx(const PackedItem& it, int64_t d, const uint32_t* pa
   }
 }
 #endif
-
-// A decode item's keys: the first visible one (a sliding window's start, else 0) and its key
-// split's blocks [b0, b1) of the sequence at position p0
-struct DecodeSplit {
-  int64_t visible_from, b0, b1;
-};
-inline DecodeSplit decode_split(const Item& item, int64_t p0, int64_t bs, int64_t window) {
-  const int64_t visible_from = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-  const int64_t fb = visible_from / bs, nblk = (p0 + bs) / bs;
-  return {visible_from, fb + (nblk - fb) * item.part / item.num_parts, fb + (nblk - fb) * (item.part + 1) / item.num_parts};
-}
-// a decode item's accumulators cleared: [h][d] values, (max, sum) per head
-inline void start_decode_item(int64_t h, int64_t d, std::vector<float>& acc, std::vector<Partial>& ml) {
-  acc.assign(h * d, 0.f);
-  ml.assign(h, Partial{-std::numeric_limits<float>::infinity(), 0.f});
-}
 
 template <typename T, int64_t DC, bool Spread>
 void attend_decode_heads(const Item& item, const T* q, const T* kpool, const T* vpool, const int32_t* q_starts,
@@ -2872,17 +2877,6 @@ constexpr bool kHaveBf16Dot = true;
 #else
 constexpr bool kHaveBf16Dot = false;
 #endif
-
-// f(std::integral_constant<int, RN>) for RN = rn (1..4): the row kernels take RN at compile time
-template <typename F>
-inline void by_rows(int64_t rn, F&& f) {
-  switch (rn) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
-}
 
 // FASTGEN_QGEMV_BF16=0 turns the bf16 dot path off (A/B measurements); read once
 inline bool qgemv_bf16_enabled() {
