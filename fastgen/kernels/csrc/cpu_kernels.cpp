@@ -2602,6 +2602,46 @@ inline __m512 dotv(const float* xr, const T* xraw, const T* wr, int64_t k) {
   return _mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3));
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 hosts (e.g. Zen 3): the same loop in 8-lane vectors with four FMA chains; bf16 weights
+// widened to fp32 by a zero-extension and a shift (no bf16 dot product here). Before it, AVX2
+// builds ran dot1's simd loop over every k. The prefetch goes into L1 (prefetcht0), 512 bytes
+// ahead for fp32 and 2 KiB for bf16: on the 2-core Zen 3 host, SmolLM2's dense decode steps
+// (quantization="none"), one process alternating variants 8-10 rounds (12-07): fp32 0.95x the
+// old loop's time (9 of 10 faster; 0.89x in an earlier pair), bf16 0.79x at 1 KiB (8 of 8); 4 KiB
+// ahead into L2 as on AVX-512 was 1.06x the old loop in fp32; fp32 at 512 bytes 0.965x of no
+// prefetch and 0.974x of 1 KiB, bf16 at 2 KiB 0.957x of 1 KiB (512 bytes 1.07x)
+template <typename T>
+constexpr bool kGemvVector = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+
+template <typename T>
+inline __m256 wload8(const T* w) {
+  if constexpr (std::is_same_v<T, float>)
+    return _mm256_loadu_ps(w);
+  else
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), 16));
+}
+
+template <typename T>
+inline __m256 dotv(const float* xr, const T*, const T* wr, int64_t k) {
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps(), v2 = _mm256_setzero_ps(), v3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  constexpr int64_t kLine = 64 / sizeof(T);   // values a cache line
+  constexpr int64_t kAhead = std::is_same_v<T, float> ? 512 : 2048;   // bytes
+  for (; i + 64 <= k; i += 64) {   // 64 values: 4 lines of fp32, 2 of bf16
+    const char* ahead = reinterpret_cast<const char*>(wr + i) + kAhead;
+    for (int64_t l = 0; l < 64 / kLine; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    for (int64_t j = i; j < i + 64; j += 32) {
+      v0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + j), wload8(wr + j), v0);
+      v1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + j + 8), wload8(wr + j + 8), v1);
+      v2 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + j + 16), wload8(wr + j + 16), v2);
+      v3 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + j + 24), wload8(wr + j + 24), v3);
+    }
+  }
+  for (; i + 8 <= k; i += 8) v0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), wload8(wr + i), v0);
+  return _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+}
 #endif
 
 template <typename T>
@@ -2612,6 +2652,11 @@ inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
   if constexpr (kGemvVector<T>) {
     i = k - k % kGemvStep<T>;
     tail = _mm512_reduce_add_ps(dotv<T>(xr, xraw, wr, i));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kGemvVector<T>) {
+    i = k - k % 8;
+    tail = hsum8(dotv<T>(xr, xraw, wr, i));
   }
 #endif
   // the rest (k not a multiple of the vector steps), entered only where there is one: GCC sums
