@@ -179,6 +179,15 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
         store16(o + i, _mm512_mul_ps(sv, load16_as_float(u + i, n)), n);
       }
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+      // AVX2 hosts, fp32: 8 lanes at a time (fast_math.h), as the fused gate/up tiles do; the
+      // loop below had stayed scalar: a decode row of SmolLM2 (1,536 values) 3.63 -> 1.91 us a
+      // call on the 2-core Zen 3 host
+      if constexpr (std::is_same_v<T, float>) {
+        silu_mul_f32_avx2(g, u, o, inter);
+        continue;
+      }
+#endif
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float gv = load(g, i);

@@ -139,6 +139,26 @@ inline __m256 fast_exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
   return exp2_8(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)));
 }
+
+// fp32 silu(g) * u on n values (AVX2 hosts), 8 lanes at a time and the last n % 8 through one
+// padded vector, so that every value takes the same vector ops wherever it falls: SiLU alone
+// (silu_mul, cpu_kernels.cpp) and after the fused gate/up tiles (silu_mul_tile, gemm_tile.h) give
+// the same values. (Their scalar loops had: the scalar fast_exp's steps contract into other FMAs)
+inline void silu_mul_f32_avx2(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  auto eight = [&](__m256 gv, __m256 uv) {
+    return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, fast_exp8(_mm256_xor_ps(gv, sign)))), uv);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, eight(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+  if (i < n) {
+    alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+    std::memcpy(gt, g + i, (n - i) * sizeof(float));
+    std::memcpy(ut, u + i, (n - i) * sizeof(float));
+    _mm256_store_ps(ot, eight(_mm256_load_ps(gt), _mm256_load_ps(ut)));
+    std::memcpy(out + i, ot, (n - i) * sizeof(float));
+  }
+}
 #endif
 
 #if defined(__AVX512F__)

@@ -5,7 +5,7 @@
 
 #include <ATen/ATen.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -150,6 +150,12 @@ inline void silu_mul_tile(float* g, const float* u) {
     _mm512_storeu_ps(g + i, _mm512_mul_ps(s, round(_mm512_loadu_ps(u + i))));
   }
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {   // silu_mul's vector ops (fast_math.h)
+    silu_mul_f32_avx2(g, u, g, NRT * MBT);
+    return;
+  }
+#endif
   auto round = [](float v) {
     if constexpr (std::is_same_v<T, float>) return v;
     else {
