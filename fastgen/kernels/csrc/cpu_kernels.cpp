@@ -2619,9 +2619,8 @@ inline __m512 dotv(const float* xr, const T* xraw, const T* wr, int64_t k) {
 // (quantization="none"), one process alternating variants 8-10 rounds (12-07): fp32 0.95x the
 // old loop's time (9 of 10 faster; 0.89x in an earlier pair), bf16 0.79x at 1 KiB (8 of 8); 4 KiB
 // ahead into L2 as on AVX-512 was 1.06x the old loop in fp32; fp32 at 512 bytes 0.965x of no
-// prefetch and 0.974x of 1 KiB, bf16 at 2 KiB 0.957x of 1 KiB (512 bytes 1.07x)
-template <typename T>
-constexpr bool kGemvVector = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+// prefetch and 0.974x of 1 KiB, bf16 at 2 KiB 0.957x of 1 KiB (512 bytes 1.07x). Both of gemv's
+// dtypes take it (no bf16 instruction is needed).
 
 template <typename T>
 inline __m256 wload8(const T* w) {
@@ -2663,10 +2662,8 @@ inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
     tail = _mm512_reduce_add_ps(dotv<T>(xr, xraw, wr, i));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kGemvVector<T>) {
-    i = k - k % 8;
-    tail = hsum8(dotv<T>(xr, xraw, wr, i));
-  }
+  i = k - k % 8;
+  tail = hsum8(dotv<T>(xr, xraw, wr, i));
 #endif
   // the rest (k not a multiple of the vector steps), entered only where there is one: GCC sums
   // the simd loop's 16 lanes one after another even when it runs no iteration, a chain of 16
