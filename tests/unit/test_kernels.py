@@ -139,7 +139,7 @@ def test_long_context_decode_is_split_and_merged_exactly(dtype, window):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 # remainders of every vector loop; (40, 160): in bf16 two blocks of 16 rows summed together and 8 rows alone;
-# (3, 203): AVX2's loops of 64 and of 8 values, then the scalar rest
+# (3, 203): AVX2's loops of 64 and of 8 (fp32) or 16 (bf16: x permuted to its widening's order) values, then the scalar rest
 @pytest.mark.parametrize("shape", [(96, 64), (50, 72), (7, 33), (40, 160), (3, 203)])
 def test_gemv_matches_linear(dtype, rows, shape):
     g = torch.Generator().manual_seed(rows)
