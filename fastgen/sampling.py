@@ -11,6 +11,7 @@ mass (a full sort of 49k logits per row costs more than the forward pass).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -72,16 +73,35 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         k = min(k * 4, vocab)
 
 
+NATIVE_SAMPLER_ENV = "FASTGEN_NATIVE_SAMPLER"   # "0": the torch path (tests, A/B measurements)
 NO_TOKEN = -1   # sample()'s id for a row that has nothing to sample (see sample())
+
+
+def _uniforms(rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+    """One uniform number in [0, 1) per row (fp64): from the request's own generator where it has a
+    seed, else from the step's."""
+    u = torch.rand(len(rows), generator=generator, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            u[i] = torch.rand(1, generator=row.generator, dtype=torch.float64)[0]
+    return u
+
+
+def _native_sampler(logits: torch.Tensor):
+    """fastgen's native sampler (``torch.ops.fastgen.sample_rows``: the torch path's steps in a few
+    passes over each row, ~1 ms -> ~0.1 ms a row of 49k logits at top_p 0.9) for fp32 CPU logits
+    where the kernels are loaded and ``FASTGEN_NATIVE_SAMPLER`` is not 0; else None (the torch path)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or os.environ.get(NATIVE_SAMPLER_ENV) == "0":
+        return None
+    if kernels.direct() is None:
+        return None
+    return torch.ops.fastgen.sample_rows
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
     """One inverse-CDF draw per row of (unnormalised) ``probs``; :data:`NO_TOKEN` for a row whose
     mass is not a positive finite number (every logit -inf or NaN: there is nothing to draw)."""
-    u = torch.rand(len(rows), generator=generator, dtype=torch.float64)
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            u[i] = torch.rand(1, generator=row.generator, dtype=torch.float64)[0]
+    u = _uniforms(rows, generator)
     cdf = probs.double().cumsum(-1)                             # [n, V]
     target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
@@ -119,7 +139,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 
     chosen = argmax_rows(logits)
     sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if sample_idx:
+    native = _native_sampler(logits)
+    if sample_idx and native is not None:
+        srows = [rows[i] for i in sample_idx]
+        params = [[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else 0, r.params.top_p,
+                   r.params.min_p] for r in srows]
+        chosen = native(chosen, logits, torch.tensor(sample_idx, dtype=torch.int64),
+                        torch.tensor(params, dtype=torch.float32), _uniforms(srows, generator))
+    elif sample_idx:
         srows = [rows[i] for i in sample_idx]
         dev = logits.device
 

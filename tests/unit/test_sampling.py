@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastgen import kernels
 from fastgen.request import SamplingParams
-from fastgen.sampling import SamplingRow, sample
+from fastgen.sampling import NATIVE_SAMPLER_ENV, SamplingRow, sample
 
 
 def row(seed=None, **kw) -> SamplingRow:
@@ -84,10 +85,22 @@ def expected_distribution(probs: list[float], *, temperature: float = 1.0, top_k
     return {t: q[t] / total for t in order}
 
 
+@pytest.fixture(params=["native", "torch"])
+def sampler_path(request, monkeypatch):
+    """Both ways sample() draws: fastgen's native sampler (where the kernels load) and the torch path."""
+    if request.param == "native":
+        if not kernels.load():
+            pytest.skip("no native kernels on this machine")
+        monkeypatch.delenv(NATIVE_SAMPLER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NATIVE_SAMPLER_ENV, "0")
+    return request.param
+
+
 @pytest.mark.parametrize("filters", [dict(top_k=3), dict(top_p=0.75), dict(min_p=0.25),
                                      dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.1),
                                      dict(temperature=1.5, top_k=5, top_p=0.95)])
-def test_filtered_draws_follow_the_renormalised_distribution(filters):
+def test_filtered_draws_follow_the_renormalised_distribution(filters, sampler_path):
     """20,000 seeded draws of one row's filters: every kept token's frequency is within 5 standard
     errors of its renormalised probability, and a token the filters exclude is never drawn."""
     num_draws = 20_000
@@ -107,7 +120,7 @@ def test_filtered_draws_follow_the_renormalised_distribution(filters):
         assert abs(count / num_draws - q) <= bound, (t, count / num_draws, q, filters)
 
 
-def test_a_row_with_nothing_to_sample_gets_no_token_and_its_batch_mates_are_untouched():
+def test_a_row_with_nothing_to_sample_gets_no_token_and_its_batch_mates_are_untouched(sampler_path):
     """Every logit -inf (an output constraint that allows nothing) or NaN: argmax used to return
     index 0 and the draw its clamp, the last index, as if sampled. Now such a row gets NO_TOKEN."""
     from fastgen.sampling import NO_TOKEN
@@ -125,3 +138,23 @@ def test_a_row_with_nothing_to_sample_gets_no_token_and_its_batch_mates_are_unto
     assert lps[5] is None
     alone, _ = sample(good[[0, 3]].clone(), [row(do_sample=False), row(seed=1)])
     assert [toks[0], toks[3]] == alone
+
+
+@pytest.mark.parametrize("params", [dict(), dict(top_p=1.0), dict(top_k=40), dict(top_k=3, top_p=0.5),
+                                    dict(temperature=0.6, top_p=0.95, min_p=0.05), dict(temperature=2.0, top_p=0.99),
+                                    dict(min_p=0.2, top_p=1.0), dict(top_k=1000, top_p=0.8)])
+def test_the_native_sampler_draws_the_torch_paths_tokens(params, monkeypatch):
+    """Seeded draws of 64 rows of a 49,152-token vocabulary (peaked and flat rows): the native
+    sampler's token equals the torch path's in every row: the same filters, the same uniform
+    numbers, the same inverse-CDF lookup (their sums differ only in the last bits)."""
+    if not kernels.load():
+        pytest.skip("no native kernels on this machine")
+    g = torch.Generator().manual_seed(5)
+    scale = torch.tensor([0.5, 2.0, 4.0, 8.0]).repeat(16)[:, None]
+    lg = torch.randn(64, 49_152, generator=g) * scale
+    rows = [row(seed=s, **params) for s in range(64)]
+    native, _ = sample(lg.clone(), rows)
+    monkeypatch.setenv(NATIVE_SAMPLER_ENV, "0")
+    rows = [row(seed=s, **params) for s in range(64)]
+    ref, _ = sample(lg.clone(), rows)
+    assert native == ref
