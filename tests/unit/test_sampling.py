@@ -158,3 +158,4 @@ def test_the_native_sampler_draws_the_torch_paths_tokens(params, monkeypatch):
     rows = [row(seed=s, **params) for s in range(64)]
     ref, _ = sample(lg.clone(), rows)
     assert native == ref
+

@@ -400,7 +400,9 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, int64_t to
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < v; ++j) {
-    const float e = fast_exp(q[j] - m);
+    // -inf (a token masked by a grammar or suppressed) is exactly 0, as torch's exp gives, where
+    // fast_exp's clamp would give ~1e-38
+    const float e = q[j] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(q[j] - m);
     q[j] = e;
     sum += e;
   }
