@@ -2798,10 +2798,10 @@ inline __m512 dotv(const float* xr, const T* xraw, const T* wr, int64_t k) {
 // and a shift took two), which yields them in the order 0-3, 8-11 | 4-7, 12-15 of each 16, so x
 // comes permuted to match (permute16, once a call); eight FMA chains, a prefetch into L1 1 KiB
 // ahead. The widening costs enough that with four chains a thread computed little faster than
-// its share of the memory streams (Zen 3, one thread, a 300-row weight in L2: 59.9 ns a row;
-// now 32.2). SmolLM2's 121 dense products from memory, one process alternating (12-07, Zen 3,
-// 16 rounds): 0.941x the time of the zero-extension loop with four chains (15 of 16 faster);
-// its dense bf16 decode steps 0.957x (12 rounds). Prefetch distances for the new loop: 2 KiB
+// its share of the memory streams (Zen 3, one thread, a 300-row weight in L2: 36.3-41.7 ns a
+// row in two runs; now 32.2). SmolLM2's 121 dense products from memory, one process alternating
+// (12-07, Zen 3, 16 rounds): 0.941x the time of the zero-extension loop with four chains (15 of
+// 16 faster); its dense bf16 decode steps 0.957x (12 rounds). Prefetch distances for the new loop: 2 KiB
 // 1.07x of 1 KiB (1 of 12 faster), 1.5 KiB 1.026x, 768 bytes 1.000x, 512 bytes 1.026x, none 1.13x.
 constexpr int64_t kAvx2Bf16Ahead = 1024;   // bytes
 
