@@ -173,5 +173,9 @@ def test_dozens_of_clients_disconnecting_mid_stream_free_their_blocks_within_a_s
     assert len(aborted) >= NUM_CLIENTS
     # blocks of the background request alone: (prompt + generated) / 16, at most 57
     freed = next(i for i, s in enumerate(steps) if s["num_running"] <= 1 and s["kv_blocks_used"] <= 57)
-    print(f"\nKV freed {freed} step(s) after the last of {NUM_CLIENTS} clients disconnected")
-    assert freed <= 2, steps[:4]
+    freed_s = steps[freed]["wall_s"] - closed_at[0]
+    print(f"\nKV freed {freed} step(s), {freed_s * 1e3:.0f} ms after the last of {NUM_CLIENTS} clients disconnected")
+    # within 2 steps, or within 0.1 s where steps run faster than the server notices 48 closes
+    # (3 ms steps of the tiny model under the full suite's load: 4 steps, ~20 ms). Blocks kept
+    # until the dropped requests' ends would come back ~497 tokens later: over a second of steps
+    assert freed <= 2 or freed_s <= 0.1, steps[:freed + 1]
