@@ -93,9 +93,7 @@ def _native_sampler(logits: torch.Tensor):
     where the kernels are loaded and ``FASTGEN_NATIVE_SAMPLER`` is not 0; else None (the torch path)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or os.environ.get(NATIVE_SAMPLER_ENV) == "0":
         return None
-    if kernels.direct() is None:
-        return None
-    return torch.ops.fastgen.sample_rows
+    return kernels.fast_op("sample_rows") if kernels.direct() is not None else None
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
@@ -139,8 +137,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 
     chosen = argmax_rows(logits)
     sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-    native = _native_sampler(logits)
-    if sample_idx and native is not None:
+    native = _native_sampler(logits) if sample_idx else None
+    if native is not None:
         srows = [rows[i] for i in sample_idx]
         params = [[r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else 0, r.params.top_p,
                    r.params.min_p] for r in srows]

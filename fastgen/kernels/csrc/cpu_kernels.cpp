@@ -446,7 +446,6 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, int64_t to
   // the draw: block sums, then the block where the running mass passes u * total, then its values
   constexpr int64_t kBlock = 512;
   const int64_t nb = (v + kBlock - 1) / kBlock;
-  cand.resize(0);
   std::vector<double> blocks(nb);
   double total = 0;
   for (int64_t b = 0; b < nb; ++b) total += (blocks[b] = sum_f64(q + b * kBlock, std::min(kBlock, v - b * kBlock)));
