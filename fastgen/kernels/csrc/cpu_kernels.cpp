@@ -770,26 +770,25 @@ inline void softmax_block32_avx2(Partial& ml, float* ar, int64_t d, float* sc) {
 // row's); the values are accumulated W vectors of d a pass over the keys, 8-12 FMA chains (16 of
 // d a pass, 2-8 chains, left the loop waiting on FMA latency). Prefetches: each key's value row
 // and the key row four on into L1 (16 MB of blocks in L3: 17 -> 26 M keys/s for 8 decodes at
-// 1,300 keys), and the next block's rows kn / vn (this KV head's; may be null) into L2.
+// 1,300 keys). The next block's rows were prefetched into L2 as well, key by key; without them
+// (the same output bit for bit, Zen 3, 12-07, three runs alternating the two, 8 rounds each) one
+// layer's attention took 0.938-0.997x the time for 32 decodes at 4,096 keys (from memory),
+// 0.935-0.976x for 8 at 1,300 (16 MB), 0.913-0.938x for one at 1,300 and 0.950-0.960x for one at
+// 50, and default-mode decode steps of 8 requests at ~1,300 keys 0.961x (17 of 24 rounds): the
+// 16 extra prefetches a key and KV head held the loop up more than they hid.
 // sc: 4 * bs floats of scratch. d % 16 == 0.
 template <int R>
 inline void decode_block_avx2(const float* qf, int64_t d, const float* kb, const float* vb, int64_t stride,
-                              int64_t from, int64_t visible, float* sc, Partial* ml, float* acc,
-                              const float* kn = nullptr, const float* vn = nullptr) {
+                              int64_t from, int64_t visible, float* sc, Partial* ml, float* acc) {
   static_assert(R >= 1 && R <= 4, "decode_block_avx2: 1 to 4 rows");
   if (visible <= from) return;
   const int64_t row_bytes = d * 4;
   for (int64_t j = from; j < visible; ++j) {
     const float* kj = kb + j * stride;
-    {   // this key's value row and the key row four ahead into L1, the next block's rows into L2
+    {   // this key's value row and the key row four ahead into L1
       const char* kp = reinterpret_cast<const char*>(kj + 4 * stride);
       const char* vp = reinterpret_cast<const char*>(vb + j * stride);
       for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kp + o, 0, 3), __builtin_prefetch(vp + o, 0, 3);
-      if (kn != nullptr) {
-        const char* kq = reinterpret_cast<const char*>(kn + j * stride);
-        const char* vq = reinterpret_cast<const char*>(vn + j * stride);
-        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kq + o, 0, 2), __builtin_prefetch(vq + o, 0, 2);
-      }
     }
     __m256 a[4], e[4];   // two FMA chains a row (even and odd vectors of d)
     for (int r = 0; r < 4; ++r) a[r] = e[r] = _mm256_setzero_ps();
@@ -880,7 +879,7 @@ inline void softmax_block32_avx2(Partial&, float*, int64_t, float*) {}
 constexpr bool kHaveSoftmax32Avx2 = false;
 template <int R>
 inline void decode_block_avx2(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t, float*,
-                              Partial*, float*, const float* = nullptr, const float* = nullptr) {}
+                              Partial*, float*) {}
 constexpr bool kHaveDecodeAvx2 = false;
 #endif
 
@@ -1182,9 +1181,7 @@ inline void by_rows(int64_t rn, F&& f) {
 // keys and values are read in place, the KV heads one after another within a block, so that a
 // split streams its blocks whole (one KV head per item read a third of each block's lines, with a
 // stride). acc [h][d], ml [h]. Prefetches (decode_block_avx2): each key's value row and the key
-// row four keys on into L1, and the next block's rows of the same KV head into L2, key by key
-// (a burst of the next block's lines at each KV head's step: level from memory, and ~12% of the
-// samples with the blocks in cache).
+// row four keys on into L1.
 inline void attend_decode_avx2(const Item& item, const float* q, const float* kpool, const float* vpool,
                                const int32_t* q_starts, const int32_t* start_pos, const int32_t* tables,
                                int64_t max_blocks, int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale,
@@ -1204,8 +1201,6 @@ inline void attend_decode_avx2(const Item& item, const float* q, const float* kp
     const int64_t from = std::max<int64_t>(0, first - first_key);
     const float* kblk = kpool + static_cast<int64_t>(table[b]) * block_floats;
     const float* vblk = vpool + static_cast<int64_t>(table[b]) * block_floats;
-    const float* knext = b + 1 < b1 ? kpool + static_cast<int64_t>(table[b + 1]) * block_floats : nullptr;
-    const float* vnext = b + 1 < b1 ? vpool + static_cast<int64_t>(table[b + 1]) * block_floats : nullptr;
     for (int64_t kv = 0; kv < kvh; ++kv) {
       for (int64_t r0 = 0; r0 < group; r0 += 4) {
         const int64_t rn = std::min<int64_t>(4, group - r0), row = kv * group + r0;
@@ -1215,11 +1210,8 @@ inline void attend_decode_avx2(const Item& item, const float* q, const float* kp
         float* ar = acc.data() + row * d;
         Partial* mr = ml.data() + row;
         float* sc = scores.data();
-        // the next block's rows of this KV head, prefetched into L2 key by key (once per head)
-        const float* kn = knext != nullptr && r0 == 0 ? knext + kv * d : nullptr;
-        const float* vn = vnext != nullptr && r0 == 0 ? vnext + kv * d : nullptr;
         by_rows(rn, [&](auto rows) {
-          decode_block_avx2<decltype(rows)::value>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar, kn, vn);
+          decode_block_avx2<decltype(rows)::value>(qr, d, kb, vb, kvh * d, from, n, sc, mr, ar);
         });
       }
     }
