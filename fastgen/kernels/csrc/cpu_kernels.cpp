@@ -2184,6 +2184,189 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 hosts (no VNNI): decodes read the 8-bit pool in place too, where they had dequantized their
+// blocks into an fp32 copy and read that (8 decodes at 1,300 keys in SmolLM2's forward took 1.7-2.6x
+// the time of an fp32 pool's). The scores are the VNNI kernel's: each head's query rounded to int8,
+// the exact integer dot product of the two (vpmaddubsw on |k| and the query's bytes signed as k's,
+// no pair over 2 * 127 * 127, then vpmaddwd) times both scales. The values are widened to fp32 and
+// multiplied by the probabilities times their rows' scales in fp32 (vpmaddubsw's 16-bit pairs
+// cannot hold 8-bit probabilities times 8-bit values), so this kernel rounds less than the VNNI one.
+constexpr bool kHaveDecodeI8 = true;
+template <int64_t DC>
+constexpr bool decode_i8_built() { return DC > 0 && DC % 64 == 0; }
+
+// the lanes of the 8 keys 8g .. 8g + 7 below n (all ones), as a mask for the 32-bit loads
+inline __m256i keys_below8(int64_t g, int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// i8_keys32's work on AVX2: up to 32 keys of one KV head (keys [from, n) take part, n <= 32)
+// against its R query rows (qi: their int8 words, qsc: their scales times the softmax's).
+// Only the n keys' words and scales are read; the values of whole groups of four keys.
+template <int64_t DC, int R>
+inline void i8_keys32_avx2(const int8_t* kb, int64_t bs, const int8_t* vb, const float* ksc, const float* vsc,
+                           const int32_t* qi, const float* qsc, int64_t from, int64_t n, Partial* ml, float* acc) {
+  constexpr int64_t W = DC / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t groups = (n + 7) / 8;
+  __m256 sc[R][4];
+  __m256 live[4];   // keys [from, n) of each group of 8
+  for (int64_t g = 0; g < 4; ++g) {
+    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(8 * g)));
+    live[g] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), key),
+                                                   _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int>(from) - 1))));
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += 2) {   // two groups of 8 keys a pass over the words
+    const __m256i m0 = keys_below8(g0, n), m1 = keys_below8(g0 + 1, n);
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int64_t w = 0; w < W; ++w) {   // values 4w .. 4w + 3 of the keys (a key's four bytes a lane)
+      const int* kw = reinterpret_cast<const int*>(kb + w * bs * 4 + g0 * 32);
+      const __m256i k0 = _mm256_maskload_epi32(kw, m0), k1 = _mm256_maskload_epi32(kw + 8, m1);
+      const __m256i a0 = _mm256_abs_epi8(k0), a1 = _mm256_abs_epi8(k1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i qv = _mm256_set1_epi32(qi[r * W + w]);
+        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(qv, k0)), ones));
+        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(qv, k1)), ones));
+      }
+    }
+    for (int64_t gg = 0; gg < 2 && g0 + gg < 4; ++gg) {
+      const __m256 ks = _mm256_maskload_ps(ksc + 8 * (g0 + gg), gg == 0 ? m0 : m1);
+      for (int r = 0; r < R; ++r)   // |dot| <= 127 * 127 * DC: exact in fp32
+        sc[r][g0 + gg] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][gg]),
+                                                                            _mm256_set1_ps(qsc[r])), ks), live[g0 + gg]);
+    }
+  }
+  for (int64_t g = groups + groups % 2; g < 4; ++g)
+    for (int r = 0; r < R; ++r) sc[r][g] = ninf;
+  // the online softmax of each row; the probabilities times the value rows' scales into pv[r][32]
+  alignas(32) float pv[R][32];
+  __m256 vs[4];
+  for (int64_t g = 0; g < 4; ++g) vs[g] = _mm256_maskload_ps(vsc + 8 * g, keys_below8(g, n));
+  for (int r = 0; r < R; ++r) {
+    const float mx = std::max(ml[r].m, hmax8(_mm256_max_ps(_mm256_max_ps(sc[r][0], sc[r][1]),
+                                                           _mm256_max_ps(sc[r][2], sc[r][3]))));
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 l = _mm256_setzero_ps();
+    for (int64_t g = 0; g < 4; ++g) {
+      // dead keys: exp(0), then zero
+      const __m256 x = _mm256_sub_ps(_mm256_blendv_ps(mv, sc[r][g], live[g]), mv);
+      const __m256 p = _mm256_and_ps(fast_exp8(x), live[g]);
+      l = _mm256_add_ps(l, p);
+      _mm256_store_ps(pv[r] + 8 * g, _mm256_mul_ps(p, vs[g]));
+    }
+    float corr = 1.f;
+    if (mx != ml[r].m) {   // an unmoved maximum leaves the accumulator as it is
+      corr = fast_exp(ml[r].m - mx);
+      const __m256 cv = _mm256_set1_ps(corr);
+      for (int64_t i = 0; i < DC; i += 8) _mm256_storeu_ps(acc + r * DC + i, _mm256_mul_ps(_mm256_loadu_ps(acc + r * DC + i), cv));
+    }
+    ml[r] = Partial{mx, ml[r].l * corr + hsum8(l)};
+  }
+  // P.V: a group of four keys holds, for each value e, the four keys' bytes in a word; 8 bytes
+  // widened to fp32 are values e, e + 1 of the four keys, multiplied by the four probabilities
+  // (lanes: key), and the key lanes summed once a pass (TP such vectors a row a pass: 2 TP values)
+  constexpr int TP = R <= 3 ? 4 : 2;
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int64_t j4a = from / 4, j4b = (n + 3) / 4;
+  for (int64_t e0 = 0; e0 < DC; e0 += 2 * TP) {
+    __m256 a[R][TP];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < TP; ++t) a[r][t] = _mm256_setzero_ps();
+    for (int64_t j4 = j4a; j4 < j4b; ++j4) {
+      const int8_t* v = vb + j4 * DC * 4 + e0 * 4;
+      __m256 vf[TP];
+      for (int t = 0; t < TP; ++t)
+        vf[t] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + 8 * t))));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 p4 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(pv[r] + 4 * j4));
+        for (int t = 0; t < TP; ++t) a[r][t] = _mm256_fmadd_ps(p4, vf[t], a[r][t]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* o = acc + r * DC + e0;
+      if constexpr (TP == 4) {   // [e0 e2 e4 e6 | e1 e3 e5 e7] -> in order
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_permutevar8x32_ps(h, order)));
+      } else {   // [e0 e2 e0 e2 | e1 e3 e1 e3] -> e0 .. e3
+        const __m256 h01 = _mm256_hadd_ps(a[r][0], a[r][1]);
+        const __m256 h = _mm256_permutevar8x32_ps(_mm256_hadd_ps(h01, h01), order);
+        _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), _mm256_castps256_ps128(h)));
+      }
+    }
+  }
+}
+
+// attend_decode_i8 on AVX2: the VNNI kernel's loop over the item's blocks and KV heads, each
+// piece of up to 32 keys through i8_keys32_avx2
+template <typename T, int64_t DC>
+void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32_t* q_starts,
+                      const int32_t* start_pos, int64_t max_blocks, int64_t h, int64_t kvh, int64_t bs,
+                      float scale, int64_t window, bool prefetch, std::vector<float>& acc,
+                      std::vector<Partial>& ml) {
+  constexpr int64_t d = DC, W = DC / 4;
+  const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
+  const auto [visible_from, b0, b1] = decode_split(item, p0, bs, window);
+  start_decode_item(h, d, acc, ml);
+  static thread_local std::vector<int32_t> qi;
+  static thread_local std::vector<float> qsc;
+  qi.resize(h * W), qsc.resize(h);
+  const T* qrow0 = q + static_cast<int64_t>(q_starts[s]) * h * d;
+  for (int64_t r = 0; r < h; ++r) {   // each head's query in int8 against its largest value
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(load(qrow0 + r * d, i)));
+    const float sq = amax > 0.f ? amax / 127.f : 1.f;
+    int8_t* qb = reinterpret_cast<int8_t*>(qi.data() + r * W);
+    for (int64_t i = 0; i < d; ++i)
+      qb[i] = static_cast<int8_t>(std::clamp(std::nearbyint(load(qrow0 + r * d, i) / sq), -127.f, 127.f));
+    qsc[r] = sq * scale;
+  }
+  const int32_t* table = kv8.tables + s * max_blocks;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
+    const int64_t from = std::max<int64_t>(0, visible_from - first_key);
+    if (n <= from) continue;
+    const int64_t blk = table[b];
+    if (b + 1 < b1) {   // the next block's scales, as the VNNI kernel
+      const char* kn = reinterpret_cast<const char*>(kv8.ks + static_cast<int64_t>(table[b + 1]) * kvh * bs);
+      const char* vn = reinterpret_cast<const char*>(kv8.vs + static_cast<int64_t>(table[b + 1]) * kvh * bs);
+      for (int64_t off = 0; off < kvh * bs * 4; off += 64) __builtin_prefetch(kn + off, 0, 3), __builtin_prefetch(vn + off, 0, 3);
+    }
+    for (int64_t kv = 0; kv < kvh; ++kv) {
+      if (prefetch && b + 1 < b1) {   // several decodes: the next block's K and V of this KV head into L2
+        const char* kn = reinterpret_cast<const char*>(kv8.k + (static_cast<int64_t>(table[b + 1]) * kvh + kv) * bs * d);
+        const char* vn = reinterpret_cast<const char*>(kv8.v + (static_cast<int64_t>(table[b + 1]) * kvh + kv) * bs * d);
+        for (int64_t off = 0; off < bs * d; off += 64) __builtin_prefetch(kn + off, 0, 1), __builtin_prefetch(vn + off, 0, 1);
+      }
+      const int8_t* kb = kv8.k + (blk * kvh + kv) * W * bs * 4;
+      const int8_t* vb = kv8.v + (blk * kvh + kv) * bs * d;
+      const float* ksc = kv8.ks + (blk * kvh + kv) * bs;
+      const float* vsc = kv8.vs + (blk * kvh + kv) * bs;
+      for (int64_t j0 = 0; j0 < n; j0 += 32) {
+        const int64_t pf = std::max<int64_t>(0, from - j0), pn = std::min<int64_t>(32, n - j0);
+        if (pn <= pf) continue;
+        for (int64_t rb = kv * group; rb < (kv + 1) * group; rb += 4) {
+          auto piece = [&](auto rows) {
+            i8_keys32_avx2<DC, decltype(rows)::value>(kb + j0 * 4, bs, vb + j0 * d, ksc + j0, vsc + j0,
+                                                      qi.data() + rb * W, qsc.data() + rb, pf, pn, ml.data() + rb,
+                                                      acc.data() + rb * d);
+          };
+          switch (std::min<int64_t>(4, (kv + 1) * group - rb)) {
+            case 1: piece(std::integral_constant<int, 1>{}); break;
+            case 2: piece(std::integral_constant<int, 2>{}); break;
+            case 3: piece(std::integral_constant<int, 3>{}); break;
+            default: piece(std::integral_constant<int, 4>{}); break;
+          }
+        }
+      }
+    }
+  }
+}
 #else
 constexpr bool kHaveDecodeI8 = false;
 template <int64_t DC>
@@ -2361,6 +2544,12 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
             attend_decode_heads<T, DC, false>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh,
                                               bs, scale, window, acc, ml, qf, scores, vf, pw);
         }
+      } else
+#else
+      if (all_heads && i8 != nullptr) {   // AVX2: the 8-bit pool in place
+        if constexpr (decode_i8_built<DC>())
+          attend_decode_i8<T, DC>(item, q, *i8, q_starts, start_pos, max_blocks, h, kvh, bs, scale, window,
+                                  num_decodes > 1, acc, ml);
       } else
 #endif
       if (kHaveDecodeAvx2 && all_heads) {
