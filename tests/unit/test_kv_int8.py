@@ -125,6 +125,38 @@ def test_paged_attention_over_an_int8_pool_matches_sdpa_on_its_values(data):
     torch.testing.assert_close(got.float(), want, **tol)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_the_in_place_decode_rounds_only_the_query_where_values_are_widened(data):
+    """Decodes over the 8-bit pool (head dims 64, 128, 256: the in-place kernel) against fp32 SDPA on
+    the pool's values with each head's query rounded to int8 as the kernel rounds it (max|q| / 127,
+    to nearest). Without VNNI (AVX2: P.V in fp32 on widened values) that is the kernel's only
+    rounding, so the two agree to fp32's; with VNNI the probabilities are rounded to 8 bits as well,
+    within a few hundredths. A wrong key, scale, mask or lane order moves the output by far more."""
+    kvh = data.draw(st.sampled_from([1, 2, 3]))
+    group = data.draw(st.sampled_from([1, 3, 4, 5]))
+    d = data.draw(st.sampled_from([64, 128, 256]))
+    bs = data.draw(st.sampled_from([4, 16, 32]))
+    specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.just(1)), min_size=1, max_size=5))
+    window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, torch.float32, g, spare_blocks=3)
+    num_blocks = kp.shape[0]
+    pool = _pool(num_blocks, bs, kvh, d)
+    pool.write(0, torch.arange(num_blocks * bs), kp.reshape(-1, kvh, d), vp.reshape(-1, kvh, d))
+    kd, vd = (t.view(num_blocks, bs, kvh, d) for t in pool.gather(0, torch.arange(num_blocks).view(1, -1)))
+    got = torch.ops.fastgen.paged_attention_i8(
+        q, pool.keys[0], pool.values[0], pool.key_scales[0], pool.value_scales[0],
+        torch.tensor(q_starts, dtype=torch.int32), torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
+        d ** -0.5, window)
+    amax = q.abs().amax(-1, keepdim=True)
+    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q8 = torch.clamp(torch.round(q / step), -127, 127) * step
+    want = _reference_attention(q8, kd, vd, q_starts, [sp for sp, _ in specs], tables, window)
+    tol = dict(atol=5e-2, rtol=5e-2) if torch.ops.fastgen.have_vnni() else dict(atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+
+
 def test_the_option_is_validated_and_sizes_the_pool():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         EngineOptions(kv_cache_dtype="fp8")
