@@ -2104,86 +2104,6 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
   }
 }
 
-// One decode item (a key split of one sequence, all heads) over the 8-bit pool. Each head's
-// query is rounded to int8 with its own scale, as the keys are; a score is the exact integer dot
-// product of the two (vpdpbusd on the keys taken as unsigned q + 128, with 128 * sum(query) taken
-// back) times both scales. The probabilities times each value row's scale are rounded to 8 bits
-// against their largest in the piece and multiply the int8 values by vpdpbusd too (i8_keys32).
-// acc [h][DC] and ml [h] as attend_decode_heads leaves them.
-template <typename T, int64_t DC>
-void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32_t* q_starts,
-                      const int32_t* start_pos, int64_t max_blocks, int64_t h, int64_t kvh, int64_t bs,
-                      float scale, int64_t window, bool prefetch, std::vector<float>& acc,
-                      std::vector<Partial>& ml) {
-  constexpr int64_t d = DC, W = DC / 4;   // W: 32-bit words of a query
-  const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
-  const auto [visible_from, b0, b1] = decode_split(item, p0, bs, window);
-  start_decode_item(h, d, acc, ml);
-  // the queries in int8 (qi [h][W] words), per head its scale times the softmax's and 128 * sum
-  static thread_local std::vector<int32_t> qi;
-  static thread_local std::vector<float> qsc, qcorr;
-  qi.resize(h * W), qsc.resize(h), qcorr.resize(h);
-  const T* qrow0 = q + static_cast<int64_t>(q_starts[s]) * h * d;
-  for (int64_t r = 0; r < h; ++r) {
-    float amax = 0.f;
-    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(load(qrow0 + r * d, i)));
-    const float sq = amax > 0.f ? amax / 127.f : 1.f;
-    int32_t sum = 0;
-    int8_t* qb = reinterpret_cast<int8_t*>(qi.data() + r * W);
-    for (int64_t i = 0; i < d; ++i) {
-      qb[i] = static_cast<int8_t>(std::clamp(std::nearbyint(load(qrow0 + r * d, i) / sq), -127.f, 127.f));
-      sum += qb[i];
-    }
-    qsc[r] = sq * scale;
-    qcorr[r] = 128.f * static_cast<float>(sum);
-  }
-  const int32_t* table = kv8.tables + s * max_blocks;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t first_key = b * bs, n = std::min(bs, p0 + 1 - first_key);
-    const int64_t from = std::max<int64_t>(0, visible_from - first_key);
-    if (n <= from) continue;
-    const int64_t blk = table[b];
-    if (b + 1 < b1) {   // the next block's scales (kvh * bs floats each, apart from the values): else a
-      // miss per KV head in the middle of the block's work (8 decodes x 1,300 keys in SmolLM2's
-      // forward: the attention 270 -> 240 us a layer)
-      const char* kn = reinterpret_cast<const char*>(kv8.ks + static_cast<int64_t>(table[b + 1]) * kvh * bs);
-      const char* vn = reinterpret_cast<const char*>(kv8.vs + static_cast<int64_t>(table[b + 1]) * kvh * bs);
-      for (int64_t off = 0; off < kvh * bs * 4; off += 64) __builtin_prefetch(kn + off, 0, 3), __builtin_prefetch(vn + off, 0, 3);
-    }
-    for (int64_t kv = 0; kv < kvh; ++kv) {
-      // several decodes: the next block's K and V of this KV head into L2 while this one computes (the
-      // whole next block at the block's start instead: 1.06x the time of 8 decodes' forward at
-      // 1,300 keys, 32 at 1,000); one decode alone, its keys in cache: none
-      if (prefetch && b + 1 < b1) {
-        const char* kn = reinterpret_cast<const char*>(kv8.k + (static_cast<int64_t>(table[b + 1]) * kvh + kv) * bs * d);
-        const char* vn = reinterpret_cast<const char*>(kv8.v + (static_cast<int64_t>(table[b + 1]) * kvh + kv) * bs * d);
-        for (int64_t off = 0; off < bs * d; off += 64) __builtin_prefetch(kn + off, 0, 1), __builtin_prefetch(vn + off, 0, 1);
-      }
-      const int8_t* kb = kv8.k + (blk * kvh + kv) * W * bs * 4;
-      const int8_t* vb = kv8.v + (blk * kvh + kv) * bs * d;
-      const float* ksc = kv8.ks + (blk * kvh + kv) * bs;
-      const float* vsc = kv8.vs + (blk * kvh + kv) * bs;
-      // the block in pieces of 32 keys, the group's rows four at a time (SmolLM2: one piece, 3 rows)
-      for (int64_t j0 = 0; j0 < n; j0 += 32) {
-        const int64_t pf = std::max<int64_t>(0, from - j0), pn = std::min<int64_t>(32, n - j0);
-        if (pn <= pf) continue;
-        for (int64_t rb = kv * group; rb < (kv + 1) * group; rb += 4) {
-          auto piece = [&](auto rows) {
-            i8_keys32<DC, decltype(rows)::value>(kb + j0 * 4, bs, vb + j0 * d, ksc + j0, vsc + j0, qi.data() + rb * W,
-                                                 qsc.data() + rb, qcorr.data() + rb, pf, pn, ml.data() + rb,
-                                                 acc.data() + rb * d);
-          };
-          switch (std::min<int64_t>(4, (kv + 1) * group - rb)) {
-            case 1: piece(std::integral_constant<int, 1>{}); break;
-            case 2: piece(std::integral_constant<int, 2>{}); break;
-            case 3: piece(std::integral_constant<int, 3>{}); break;
-            default: piece(std::integral_constant<int, 4>{}); break;
-          }
-        }
-      }
-    }
-  }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 hosts (no VNNI): decodes read the 8-bit pool in place too, where they had dequantized their
 // blocks into an fp32 copy and read that (8 decodes at 1,300 keys in SmolLM2's forward took 1.7-2.6x
@@ -2201,12 +2121,14 @@ inline __m256i keys_below8(int64_t g, int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// i8_keys32's work on AVX2: up to 32 keys of one KV head (keys [from, n) take part, n <= 32)
-// against its R query rows (qi: their int8 words, qsc: their scales times the softmax's).
-// Only the n keys' words and scales are read; the values of whole groups of four keys.
+// i8_keys32 on AVX2: up to 32 keys of one KV head (keys [from, n) take part, n <= 32) against its
+// R query rows (qi: their int8 words, qsc: their scales times the softmax's; qcorr, the VNNI
+// kernel's correction of its unsigned keys, is not needed). Only the n keys' words and scales are
+// read; the values of whole groups of four keys.
 template <int64_t DC, int R>
-inline void i8_keys32_avx2(const int8_t* kb, int64_t bs, const int8_t* vb, const float* ksc, const float* vsc,
-                           const int32_t* qi, const float* qsc, int64_t from, int64_t n, Partial* ml, float* acc) {
+inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const float* ksc, const float* vsc,
+                      const int32_t* qi, const float* qsc, const float*, int64_t from, int64_t n, Partial* ml,
+                      float* acc) {
   constexpr int64_t W = DC / 4;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -2302,29 +2224,42 @@ inline void i8_keys32_avx2(const int8_t* kb, int64_t bs, const int8_t* vb, const
   }
 }
 
-// attend_decode_i8 on AVX2: the VNNI kernel's loop over the item's blocks and KV heads, each
-// piece of up to 32 keys through i8_keys32_avx2
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__FMA__))
+// One decode item (a key split of one sequence, all heads) over the 8-bit pool. Each head's
+// query is rounded to int8 with its own scale, as the keys are; a score is the exact integer dot
+// product of the two (VNNI: vpdpbusd on the keys taken as unsigned q + 128, with 128 * sum(query)
+// taken back; AVX2: vpmaddubsw and vpmaddwd) times both scales. With VNNI the probabilities
+// times each value row's scale are rounded to 8 bits against their largest in the piece and
+// multiply the int8 values by vpdpbusd too; on AVX2 the values are widened to fp32 (i8_keys32 of
+// each). acc [h][DC] and ml [h] as attend_decode_heads leaves them.
 template <typename T, int64_t DC>
 void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32_t* q_starts,
                       const int32_t* start_pos, int64_t max_blocks, int64_t h, int64_t kvh, int64_t bs,
                       float scale, int64_t window, bool prefetch, std::vector<float>& acc,
                       std::vector<Partial>& ml) {
-  constexpr int64_t d = DC, W = DC / 4;
+  constexpr int64_t d = DC, W = DC / 4;   // W: 32-bit words of a query
   const int64_t group = h / kvh, s = item.seq, p0 = start_pos[s];
   const auto [visible_from, b0, b1] = decode_split(item, p0, bs, window);
   start_decode_item(h, d, acc, ml);
+  // the queries in int8 (qi [h][W] words), per head its scale times the softmax's and 128 * sum
   static thread_local std::vector<int32_t> qi;
-  static thread_local std::vector<float> qsc;
-  qi.resize(h * W), qsc.resize(h);
+  static thread_local std::vector<float> qsc, qcorr;
+  qi.resize(h * W), qsc.resize(h), qcorr.resize(h);
   const T* qrow0 = q + static_cast<int64_t>(q_starts[s]) * h * d;
-  for (int64_t r = 0; r < h; ++r) {   // each head's query in int8 against its largest value
+  for (int64_t r = 0; r < h; ++r) {
     float amax = 0.f;
     for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(load(qrow0 + r * d, i)));
     const float sq = amax > 0.f ? amax / 127.f : 1.f;
+    int32_t sum = 0;
     int8_t* qb = reinterpret_cast<int8_t*>(qi.data() + r * W);
-    for (int64_t i = 0; i < d; ++i)
+    for (int64_t i = 0; i < d; ++i) {
       qb[i] = static_cast<int8_t>(std::clamp(std::nearbyint(load(qrow0 + r * d, i) / sq), -127.f, 127.f));
+      sum += qb[i];
+    }
     qsc[r] = sq * scale;
+    qcorr[r] = 128.f * static_cast<float>(sum);
   }
   const int32_t* table = kv8.tables + s * max_blocks;
   for (int64_t b = b0; b < b1; ++b) {
@@ -2332,13 +2267,18 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
     const int64_t from = std::max<int64_t>(0, visible_from - first_key);
     if (n <= from) continue;
     const int64_t blk = table[b];
-    if (b + 1 < b1) {   // the next block's scales, as the VNNI kernel
+    if (b + 1 < b1) {   // the next block's scales (kvh * bs floats each, apart from the values): else a
+      // miss per KV head in the middle of the block's work (8 decodes x 1,300 keys in SmolLM2's
+      // forward: the attention 270 -> 240 us a layer)
       const char* kn = reinterpret_cast<const char*>(kv8.ks + static_cast<int64_t>(table[b + 1]) * kvh * bs);
       const char* vn = reinterpret_cast<const char*>(kv8.vs + static_cast<int64_t>(table[b + 1]) * kvh * bs);
       for (int64_t off = 0; off < kvh * bs * 4; off += 64) __builtin_prefetch(kn + off, 0, 3), __builtin_prefetch(vn + off, 0, 3);
     }
     for (int64_t kv = 0; kv < kvh; ++kv) {
-      if (prefetch && b + 1 < b1) {   // several decodes: the next block's K and V of this KV head into L2
+      // several decodes: the next block's K and V of this KV head into L2 while this one computes (the
+      // whole next block at the block's start instead: 1.06x the time of 8 decodes' forward at
+      // 1,300 keys, 32 at 1,000); one decode alone, its keys in cache: none
+      if (prefetch && b + 1 < b1) {
         const char* kn = reinterpret_cast<const char*>(kv8.k + (static_cast<int64_t>(table[b + 1]) * kvh + kv) * bs * d);
         const char* vn = reinterpret_cast<const char*>(kv8.v + (static_cast<int64_t>(table[b + 1]) * kvh + kv) * bs * d);
         for (int64_t off = 0; off < bs * d; off += 64) __builtin_prefetch(kn + off, 0, 1), __builtin_prefetch(vn + off, 0, 1);
@@ -2347,14 +2287,15 @@ void attend_decode_i8(const Item& item, const T* q, const KvI8& kv8, const int32
       const int8_t* vb = kv8.v + (blk * kvh + kv) * bs * d;
       const float* ksc = kv8.ks + (blk * kvh + kv) * bs;
       const float* vsc = kv8.vs + (blk * kvh + kv) * bs;
+      // the block in pieces of 32 keys, the group's rows four at a time (SmolLM2: one piece, 3 rows)
       for (int64_t j0 = 0; j0 < n; j0 += 32) {
         const int64_t pf = std::max<int64_t>(0, from - j0), pn = std::min<int64_t>(32, n - j0);
         if (pn <= pf) continue;
         for (int64_t rb = kv * group; rb < (kv + 1) * group; rb += 4) {
           auto piece = [&](auto rows) {
-            i8_keys32_avx2<DC, decltype(rows)::value>(kb + j0 * 4, bs, vb + j0 * d, ksc + j0, vsc + j0,
-                                                      qi.data() + rb * W, qsc.data() + rb, pf, pn, ml.data() + rb,
-                                                      acc.data() + rb * d);
+            i8_keys32<DC, decltype(rows)::value>(kb + j0 * 4, bs, vb + j0 * d, ksc + j0, vsc + j0, qi.data() + rb * W,
+                                                 qsc.data() + rb, qcorr.data() + rb, pf, pn, ml.data() + rb,
+                                                 acc.data() + rb * d);
           };
           switch (std::min<int64_t>(4, (kv + 1) * group - rb)) {
             case 1: piece(std::integral_constant<int, 1>{}); break;
