@@ -384,7 +384,7 @@ float nucleus_threshold(float* a, int64_t n, float top_p) {
 }
 
 int64_t sample_row(const float* logits, int64_t v, float temperature, int64_t top_k, float top_p, float min_p,
-                   double u, std::vector<float>& p, std::vector<float>& cand) {
+                   double u, std::vector<float>& p, std::vector<float>& cand, std::vector<double>& blocks) {
   p.resize(v);
   float* q = p.data();
   float m = -std::numeric_limits<float>::infinity();
@@ -446,7 +446,7 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, int64_t to
   // the draw: block sums, then the block where the running mass passes u * total, then its values
   constexpr int64_t kBlock = 512;
   const int64_t nb = (v + kBlock - 1) / kBlock;
-  std::vector<double> blocks(nb);
+  blocks.resize(nb);
   double total = 0;
   for (int64_t b = 0; b < nb; ++b) total += (blocks[b] = sum_f64(q + b * kBlock, std::min(kBlock, v - b * kBlock)));
   if (!(std::isfinite(total) && total > 0)) return -1;
@@ -488,9 +488,10 @@ at::Tensor sample_rows(const at::Tensor& chosen, const at::Tensor& logits, const
   for (int64_t i = 0; i < s; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < n, "sample_rows: row ", rp[i], " out of [0, ", n, ")");
   at::parallel_for(0, s, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p, cand;
+    std::vector<double> blocks;
     for (int64_t i = i0; i < i1; ++i) {
       const float* pr = pp + 4 * i;
-      op[rp[i]] = sample_row(lp + rp[i] * v, v, pr[0], static_cast<int64_t>(pr[1]), pr[2], pr[3], up[i], p, cand);
+      op[rp[i]] = sample_row(lp + rp[i] * v, v, pr[0], static_cast<int64_t>(pr[1]), pr[2], pr[3], up[i], p, cand, blocks);
     }
   });
   return out;
@@ -2019,9 +2020,6 @@ inline int64_t v_i8_at(int64_t blk, int64_t kv, int64_t off, int64_t e, int64_t 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kHaveDecodeI8 = true;
-template <int64_t DC>
-constexpr bool decode_i8_built() { return DC > 0 && DC % 64 == 0; }
 
 // Up to 32 keys of one KV head (keys [from, n) of them take part, n <= 32) against its R query
 // rows: scores, online softmax, and P.V in registers. kb: the first key's word 0 in the K layout
@@ -2112,9 +2110,6 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
 // no pair over 2 * 127 * 127, then vpmaddwd) times both scales. The values are widened to fp32 and
 // multiplied by the probabilities times their rows' scales in fp32 (vpmaddubsw's 16-bit pairs
 // cannot hold 8-bit probabilities times 8-bit values), so this kernel rounds less than the VNNI one.
-constexpr bool kHaveDecodeI8 = true;
-template <int64_t DC>
-constexpr bool decode_i8_built() { return DC > 0 && DC % 64 == 0; }
 
 // the lanes of the 8 keys 8g .. 8g + 7 below n (all ones), as a mask for the 32-bit loads
 inline __m256i keys_below8(int64_t g, int64_t n) {
@@ -2132,17 +2127,16 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
   constexpr int64_t W = DC / 4;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t groups = (n + 7) / 8;
   __m256 sc[R][4];
-  __m256 live[4];   // keys [from, n) of each group of 8
+  __m256i below[4];   // keys below n of each group of 8 (what is read)
+  __m256 live[4];     // keys [from, n) (what takes part)
   for (int64_t g = 0; g < 4; ++g) {
-    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(8 * g)));
-    live[g] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), key),
-                                                   _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int>(from) - 1))));
+    below[g] = keys_below8(g, n);
+    live[g] = _mm256_castsi256_ps(_mm256_andnot_si256(keys_below8(g, from), below[g]));
   }
   for (int64_t g0 = 0; g0 < groups; g0 += 2) {   // two groups of 8 keys a pass over the words
-    const __m256i m0 = keys_below8(g0, n), m1 = keys_below8(g0 + 1, n);
+    const __m256i m0 = below[g0], m1 = below[g0 + 1];
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int64_t w = 0; w < W; ++w) {   // values 4w .. 4w + 3 of the keys (a key's four bytes a lane)
@@ -2157,7 +2151,7 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
       }
     }
     for (int64_t gg = 0; gg < 2 && g0 + gg < 4; ++gg) {
-      const __m256 ks = _mm256_maskload_ps(ksc + 8 * (g0 + gg), gg == 0 ? m0 : m1);
+      const __m256 ks = _mm256_maskload_ps(ksc + 8 * (g0 + gg), below[g0 + gg]);
       for (int r = 0; r < R; ++r)   // |dot| <= 127 * 127 * DC: exact in fp32
         sc[r][g0 + gg] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][gg]),
                                                                             _mm256_set1_ps(qsc[r])), ks), live[g0 + gg]);
@@ -2168,7 +2162,7 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
   // the online softmax of each row; the probabilities times the value rows' scales into pv[r][32]
   alignas(32) float pv[R][32];
   __m256 vs[4];
-  for (int64_t g = 0; g < 4; ++g) vs[g] = _mm256_maskload_ps(vsc + 8 * g, keys_below8(g, n));
+  for (int64_t g = 0; g < 4; ++g) vs[g] = _mm256_maskload_ps(vsc + 8 * g, below[g]);
   for (int r = 0; r < R; ++r) {
     const float mx = std::max(ml[r].m, hmax8(_mm256_max_ps(_mm256_max_ps(sc[r][0], sc[r][1]),
                                                            _mm256_max_ps(sc[r][2], sc[r][3]))));
@@ -2227,6 +2221,10 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
 #endif
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool kHaveDecodeI8 = true;
+template <int64_t DC>
+constexpr bool decode_i8_built() { return DC > 0 && DC % 64 == 0; }
+
 // One decode item (a key split of one sequence, all heads) over the 8-bit pool. Each head's
 // query is rounded to int8 with its own scale, as the keys are; a score is the exact integer dot
 // product of the two (VNNI: vpdpbusd on the keys taken as unsigned q + 128, with 128 * sum(query)
@@ -2467,14 +2465,15 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
       const int64_t qb = decode ? 1 : std::min<int64_t>(q_starts[s + 1] - q_starts[s], qa + kQueryTile);
       const bool all_heads = item.kv < 0;
       const int64_t rows = all_heads ? h : (qb - qa) * group;
-#if defined(__AVX512F__)
-      if (all_heads && i8 != nullptr) {
+      if (all_heads && i8 != nullptr) {   // the 8-bit pool in place (VNNI or AVX2)
         if constexpr (decode_i8_built<DC>())
           // several decodes stream their blocks from memory: the next one prefetched; one alone, its
           // keys in cache: without
           attend_decode_i8<T, DC>(item, q, *i8, q_starts, start_pos, max_blocks, h, kvh, bs, scale, window,
                                   num_decodes > 1, acc, ml);
-      } else if (all_heads) {
+      } else
+#if defined(__AVX512F__)
+      if (all_heads) {
         if constexpr (decode_heads_built<T, DC>()) {
           // several decodes: their pools stream from memory, so the spread prefetches; one alone
           // (a short context in cache, or one long split into few parts) keeps the bursts
@@ -2485,12 +2484,6 @@ void paged_attention_impl(const T* q, const T* kpool, const T* vpool, const int3
             attend_decode_heads<T, DC, false>(item, q, kpool, vpool, q_starts, start_pos, tables, max_blocks, h, kvh,
                                               bs, scale, window, acc, ml, qf, scores, vf, pw);
         }
-      } else
-#else
-      if (all_heads && i8 != nullptr) {   // AVX2: the 8-bit pool in place
-        if constexpr (decode_i8_built<DC>())
-          attend_decode_i8<T, DC>(item, q, *i8, q_starts, start_pos, max_blocks, h, kvh, bs, scale, window,
-                                  num_decodes > 1, acc, ml);
       } else
 #endif
       if (kHaveDecodeAvx2 && all_heads) {
