@@ -157,6 +157,37 @@ def test_the_in_place_decode_rounds_only_the_query_where_values_are_widened(data
     torch.testing.assert_close(got, want, **tol)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_prompt_chunks_over_an_int8_pool_match_the_fp32_kernel_on_its_values_bit_for_bit(data):
+    """fp32 prompt chunks (beside decodes) over the 8-bit pool: packed straight from its layouts where
+    the kernel packs (block sizes that are multiples of 8), else from a dequantized copy; either way
+    the chunks' rows equal, bit for bit, the fp32 kernel's over a pool holding the dequantized values
+    (x = q * s in fp32 both ways). A wrong byte, lane, scale or block of the packing changes them."""
+    kvh = data.draw(st.sampled_from([1, 2, 3]))
+    group = data.draw(st.sampled_from([1, 3, 5]))
+    d = data.draw(st.sampled_from([64, 128]))
+    bs = data.draw(st.sampled_from([4, 8, 16, 32]))
+    specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.sampled_from([1, 2, 9, 40, 130])),
+                               min_size=1, max_size=4))
+    window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, torch.float32, g, spare_blocks=3)
+    num_blocks = kp.shape[0]
+    pool = _pool(num_blocks, bs, kvh, d)
+    pool.write(0, torch.arange(num_blocks * bs), kp.reshape(-1, kvh, d), vp.reshape(-1, kvh, d))
+    kd, vd = (t.reshape(num_blocks, bs, kvh, d).contiguous()
+              for t in pool.gather(0, torch.arange(num_blocks).view(1, -1)))
+    args = (torch.tensor(q_starts, dtype=torch.int32), torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
+            d ** -0.5, window)
+    got = torch.ops.fastgen.paged_attention_i8(q, pool.keys[0], pool.values[0], pool.key_scales[0],
+                                               pool.value_scales[0], *args)
+    want = torch.ops.fastgen.paged_attention(q, kd, vd, *args)
+    for s, (_, nq) in enumerate(specs):
+        if nq > 1:
+            assert torch.equal(got[q_starts[s]:q_starts[s + 1]], want[q_starts[s]:q_starts[s + 1]]), (s, specs)
+
+
 def test_the_option_is_validated_and_sizes_the_pool():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         EngineOptions(kv_cache_dtype="fp8")
