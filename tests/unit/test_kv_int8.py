@@ -94,6 +94,18 @@ def test_the_native_write_stores_the_same_bytes_as_the_torch_ops(dtype):
     torch.testing.assert_close(pools[0].key_scales[0], pools[1].key_scales[0], atol=0, rtol=1e-2)
 
 
+def _int8_scrambled(specs, kvh, group, d, bs, dtype, g):
+    """``_scrambled_pool``'s keys and values written into an 8-bit pool: the queries, q_starts, the
+    block tables (list and tensor), the pool, and its dequantized K and V as [blocks, bs, kvh, d]."""
+    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, dtype, g, spare_blocks=3)
+    num_blocks = kp.shape[0]
+    pool = _pool(num_blocks, bs, kvh, d, dtype)
+    pool.write(0, torch.arange(num_blocks * bs), kp.float().reshape(-1, kvh, d), vp.float().reshape(-1, kvh, d))
+    kd, vd = (t.reshape(num_blocks, bs, kvh, d).contiguous()
+              for t in pool.gather(0, torch.arange(num_blocks).view(1, -1)))
+    return q, q_starts, tables, bt, pool, kd, vd
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_paged_attention_over_an_int8_pool_matches_sdpa_on_its_values(data):
@@ -110,11 +122,7 @@ def test_paged_attention_over_an_int8_pool_matches_sdpa_on_its_values(data):
     specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=5))
     window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, dtype, g, spare_blocks=3)
-    num_blocks = kp.shape[0]
-    pool = _pool(num_blocks, bs, kvh, d, dtype)
-    pool.write(0, torch.arange(num_blocks * bs), kp.float().reshape(-1, kvh, d), vp.float().reshape(-1, kvh, d))
-    kd, vd = (t.view(num_blocks, bs, kvh, d) for t in pool.gather(0, torch.arange(num_blocks).view(1, -1)))
+    q, q_starts, tables, bt, pool, kd, vd = _int8_scrambled(specs, kvh, group, d, bs, dtype, g)
     got = torch.ops.fastgen.paged_attention_i8(
         q, pool.keys[0], pool.values[0], pool.key_scales[0], pool.value_scales[0],
         torch.tensor(q_starts, dtype=torch.int32), torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
@@ -140,11 +148,7 @@ def test_the_in_place_decode_rounds_only_the_query_where_values_are_widened(data
     specs = data.draw(st.lists(st.tuples(st.integers(0, 300), st.just(1)), min_size=1, max_size=5))
     window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, torch.float32, g, spare_blocks=3)
-    num_blocks = kp.shape[0]
-    pool = _pool(num_blocks, bs, kvh, d)
-    pool.write(0, torch.arange(num_blocks * bs), kp.reshape(-1, kvh, d), vp.reshape(-1, kvh, d))
-    kd, vd = (t.view(num_blocks, bs, kvh, d) for t in pool.gather(0, torch.arange(num_blocks).view(1, -1)))
+    q, q_starts, tables, bt, pool, kd, vd = _int8_scrambled(specs, kvh, group, d, bs, torch.float32, g)
     got = torch.ops.fastgen.paged_attention_i8(
         q, pool.keys[0], pool.values[0], pool.key_scales[0], pool.value_scales[0],
         torch.tensor(q_starts, dtype=torch.int32), torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
@@ -172,12 +176,7 @@ def test_prompt_chunks_over_an_int8_pool_match_the_fp32_kernel_on_its_values_bit
                                min_size=1, max_size=4))
     window = data.draw(st.one_of(st.just(0), st.integers(1, 320)))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    q, kp, vp, q_starts, tables, bt = _scrambled_pool(specs, kvh, group, d, bs, torch.float32, g, spare_blocks=3)
-    num_blocks = kp.shape[0]
-    pool = _pool(num_blocks, bs, kvh, d)
-    pool.write(0, torch.arange(num_blocks * bs), kp.reshape(-1, kvh, d), vp.reshape(-1, kvh, d))
-    kd, vd = (t.reshape(num_blocks, bs, kvh, d).contiguous()
-              for t in pool.gather(0, torch.arange(num_blocks).view(1, -1)))
+    q, q_starts, tables, bt, pool, kd, vd = _int8_scrambled(specs, kvh, group, d, bs, torch.float32, g)
     args = (torch.tensor(q_starts, dtype=torch.int32), torch.tensor([sp for sp, _ in specs], dtype=torch.int32), bt,
             d ** -0.5, window)
     got = torch.ops.fastgen.paged_attention_i8(q, pool.keys[0], pool.values[0], pool.key_scales[0],
