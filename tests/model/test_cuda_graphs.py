@@ -58,10 +58,13 @@ def _spare_pool(eng, num_blocks=None, block_size=None):
 
 
 def _engines(tmp_path, device, capture):
+    # 256 blocks (8k tokens) hold every request here: the spy copies and compares the whole pool at
+    # each step, and the tiny model's default pool (1 GB) made that ~70 s of the test
     folder = make_tiny_model(str(tmp_path / "tiny"))
-    eager = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=12, prefix_caching=False)
+    eager = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=12, prefix_caching=False,
+                     num_blocks=256)
     graphed = pipeline(folder, device=device, dtype="float32", kernels="torch", budget_tokens=12,
-                       prefix_caching=False)
+                       prefix_caching=False, num_blocks=256)
     eng = graphed.engine
     eng.pool = _spare_pool(eng)
     spy = Spy(eng.model, capture)
