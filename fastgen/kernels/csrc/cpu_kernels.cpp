@@ -2031,6 +2031,11 @@ inline int64_t v_i8_at(int64_t blk, int64_t kv, int64_t off, int64_t e, int64_t 
 // layout a value of four keys in 4: a 4 x 4 byte transpose within each 128-bit lane, then one
 // dword of each lane, widens either to eight fp32 values of K^T's row or V's.
 constexpr bool kHavePackedF32 = true;
+// the lanes of the 8 keys 8g .. 8g + 7 below n (all ones), as a mask for the 32-bit loads (also
+// i8_keys32's on AVX2)
+inline __m256i keys_below8(int64_t g, int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 inline void pack_chunk_f32_i8(const KvI8& kv8, const int32_t* table, int64_t bs, int64_t kvh, int64_t d, int64_t kv,
                               int64_t k0, int64_t num_keys, uint32_t* dst) {
   float* kt = reinterpret_cast<float*>(dst);
@@ -2051,12 +2056,10 @@ inline void pack_chunk_f32_i8(const KvI8& kv8, const int32_t* table, int64_t bs,
     const int64_t blk = table[key / bs], off = key % bs;
     const float* ksc = kv8.ks + (blk * kvh + kv) * bs + off;
     const float* vsc = kv8.vs + (blk * kvh + kv) * bs + off;
-    alignas(32) float kscale[8] = {};
-    for (int64_t j = 0; j < n; ++j) kscale[j] = ksc[j];
-    const __m256 ks = _mm256_load_ps(kscale);
-    // lanes past the last key zeroed after the product (0 * a negative byte would be -0)
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    // only the n keys' scales read; lanes past the last key zeroed after the product (0 times a
+    // negative byte would be -0)
+    const __m256i below = keys_below8(0, n);
+    const __m256 ks = _mm256_maskload_ps(ksc, below), live = _mm256_castsi256_ps(below);
     const int8_t* kb = kv8.k + k_i8_at(blk, kv, off, 0, kvh, d, bs);
     for (int64_t w = 0; w < d / 4; ++w) {
       const __m256i x = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + w * bs * 4)), t4);
@@ -2176,10 +2179,6 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
 // multiplied by the probabilities times their rows' scales in fp32 (vpmaddubsw's 16-bit pairs
 // cannot hold 8-bit probabilities times 8-bit values), so this kernel rounds less than the VNNI one.
 
-// the lanes of the 8 keys 8g .. 8g + 7 below n (all ones), as a mask for the 32-bit loads
-inline __m256i keys_below8(int64_t g, int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 
 // i8_keys32 on AVX2: up to 32 keys of one KV head (keys [from, n) take part, n <= 32) against its
 // R query rows (qi: their int8 words, qsc: their scales times the softmax's; qcorr, the VNNI
