@@ -52,7 +52,7 @@ from .engine_report import (Goal, goals, plot_curve, print_chunk, print_curve, p
                             print_machine, print_overhead, print_prefill)
 from .kernels import bench_attention, decode_step_breakdown, host_isa, kv_int8_decode, old_vs_new_decode, print_kernels
 from .machine import (MachineLimits, ModelCosts, PairedRates, busy_cpus, cpu_name, measure_machine, measure_matmul,
-                      measure_read, measure_read_huge_pages, model_costs, prompt_roofline, warn_if_busy)
+                      model_costs, prompt_roofline, read_beside, warn_if_busy)
 from .overhead import HostOverhead, bench_overhead_parts, host_overhead
 from .prefill_decode import (ChunkResult, DecodeBound, DecodeResult, ForwardCurve, PrefillResult, bench_decode,
                              bench_chunk, bench_forward_curve, bench_prefill, decode_bandwidth)
@@ -229,16 +229,12 @@ def run(args: argparse.Namespace) -> EngineBenchResults:
     # matmul limit is after the prompts: the VM's memory swings between phases, and a bound caught
     # in a slow one flatters the ratio (12-06, Zen 4, fp32: batch-1 decode at 113.9% of a 35.4 GB/s
     # bound read at the run's start, its steps streaming 40 GB/s); the highest figure serves
-    def read_beside() -> float:
-        args = (costs.weight_bytes, engine.config.dtype, engine.config.device, sizes, "weight-sized, beside batch-1 decode")
-        reads = (measure_read(*args), measure_read_huge_pages(*args))
-        return max(r.gbps for r in reads if r is not None)
-    beside = [read_beside()] if 1 in sizes.decode_batches else []
+    beside = [read_beside(engine, costs, sizes)] if 1 in sizes.decode_batches else []
     decode = []
     for b in tqdm(sizes.decode_batches, desc="decode", leave=False, disable=None):
         decode.append(bench_decode(engine, b, sizes, sampling, rng))
         if b == 1:
-            beside.append(read_beside())
+            beside.append(read_beside(engine, costs, sizes))
     read_again = max(beside, default=0.0)
     if read_again > machine.decode_bound_gbps:
         print(f"   read bound measured again beside batch-1 decode: {read_again:.1f} GB/s (was "

@@ -28,8 +28,8 @@ BANDWIDTH_BOUND_RULE = (
     "decode bound bandwidth = the highest read-only bandwidth measured (sum of a big tensor, "
     "1 GiB or 64 MiB with --quick, fp32 and bf16, and of a tensor as large as the weights, fp32 "
     "and model dtype, the latter also on 2 MiB pages where the host gives them, as the weights lie; "
-    "the weight-sized read in the model dtype again just before and after batch-1 decode's "
-    "steps, on both kinds of pages); the copy is shown for reference only")
+    "the weight-sized read in the model dtype (both kinds of pages) and in fp32 again just before "
+    "and after batch-1 decode's steps); the copy is shown for reference only")
 BUSY_CPUS_WARNING = 0.25
 
 
@@ -194,6 +194,18 @@ def measure_read_huge_pages(num_bytes: int, dtype: torch.dtype, device: torch.de
     return _read(buf.view(dtype).fill_(1), device, sizes, f"{label}, 2 MiB pages", dtype)
 
 
+def read_beside(engine, costs: "ModelCosts", sizes: Sizes) -> float:
+    """GB/s of the weight-sized read as batch-1 decode's bound takes it again just before and after
+    a run of steps (BANDWIDTH_BOUND_RULE): the highest of the model's dtype on both kinds of pages
+    (:func:`measure_read`, :func:`measure_read_huge_pages`) and of fp32, whose sum reads the same
+    bytes faster where bf16 is widened in software (26-30 GB/s against fp32's 35-46, Zen 3)."""
+    dtype, device, label = engine.config.dtype, engine.config.device, "weight-sized, beside batch-1 decode"
+    reads = (measure_read(costs.weight_bytes, dtype, device, sizes, label),
+             measure_read_huge_pages(costs.weight_bytes, dtype, device, sizes, label),
+             None if dtype == torch.float32 else measure_read(costs.weight_bytes, torch.float32, device, sizes, label))
+    return max(r.gbps for r in reads if r is not None)
+
+
 def measure_copy(num_bytes: int, device: torch.device, sizes: Sizes) -> Bandwidth:
     """Copy bandwidth of fp32: bytes moved = 2 * num_bytes (read source + write destination)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
@@ -220,6 +232,15 @@ def measure_machine(engine, costs: ModelCosts, sizes: Sizes) -> MachineLimits:
     matmul = {str(d): measure_matmul(d, sizes.matmul_n, device, sizes) for d in matmul_dtypes}
     if prompt_rows_int8(engine):
         matmul["int8"] = measure_int_mm(sizes.matmul_n, device, sizes)
+    reads = measure_reads(engine, costs, sizes)
+    copy = measure_copy(sizes.bandwidth_bytes, device, sizes)
+    return MachineLimits(torch.get_num_threads(), matmul, (*reads, copy), max(r.gbps for r in reads))
+
+
+def measure_reads(engine, costs: ModelCosts, sizes: Sizes) -> list[Bandwidth]:
+    """The reads whose highest is the decode bound (BANDWIDTH_BOUND_RULE, before the reads beside
+    the steps): a big tensor in fp32 and bf16, one of the weights' size in fp32 and the model's dtype."""
+    device, dtype = engine.config.device, engine.config.dtype
     reads = [measure_read(sizes.bandwidth_bytes, torch.float32, device, sizes, "big fp32"),
              measure_read(sizes.bandwidth_bytes, torch.bfloat16, device, sizes, "big bf16"),
              measure_read(costs.weight_bytes, torch.float32, device, sizes, "weight-sized fp32")]
@@ -230,8 +251,7 @@ def measure_machine(engine, costs: ModelCosts, sizes: Sizes) -> MachineLimits:
     huge = measure_read_huge_pages(costs.weight_bytes, dtype, device, sizes, f"weight-sized {dtype}")
     if huge is not None:
         reads.append(huge)
-    copy = measure_copy(sizes.bandwidth_bytes, device, sizes)
-    return MachineLimits(torch.get_num_threads(), matmul, (*reads, copy), max(r.gbps for r in reads))
+    return reads
 
 
 # -- the host -------------------------------------------------------------------------------
