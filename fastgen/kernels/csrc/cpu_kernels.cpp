@@ -3949,6 +3949,23 @@ inline void group_sums(const T* x, int64_t groups, float* out) {
   }
 }
 
+// One decode row against a long product (8 MiB of rows or more: SmolLM2's 28 MiB Q8_0 head, where
+// its layer products are 0.2-0.9 MiB), AVX2 builds: the rows' L2 prefetch 12 KiB ahead instead of
+// kPrefetchBytes, each thread's share being one long stream. Zen 3, random rows of SmolLM2's
+// default-mode shapes, one process switching round by round (30-40 rounds a run): the head 0.867 /
+// 0.875x the time at 12 KiB (28 and 25 of 30 faster), 0.896-0.926x at 8 KiB, 0.891x at 16 KiB,
+// 0.902x at 24 KiB; the layer products, below the threshold, untouched. Whole default-mode decode
+// steps 0.966 / 0.981 / 0.986x (22, 21 and 18 of 30 rounds faster). The dense fp32 GEMV's head
+// with an L2 prefetch 12 KiB ahead besides its L1 one: decode steps 1.037x (twice), not taken.
+// AVX-512 hosts (Zen 4) had measured 8-16 KiB over every product slower (docs/architecture.md)
+// and keep kPrefetchBytes until measured for long products.
+constexpr int64_t kLongRows = 8 << 20;   // bytes of a product's rows
+#if !defined(__AVX512F__)
+constexpr int64_t kLongRowsAhead = 12 << 10;
+#else
+constexpr int64_t kLongRowsAhead = 0;
+#endif
+
 std::atomic<const NextRows*> g_next_rows{nullptr};
 
 // The start of this thread's share of `next` (at::parallel_for's split over `threads` threads,
@@ -4069,10 +4086,11 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
       if (m == 1) {
         constexpr int WN = 2;
         xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
+        const int64_t ahead = kLongRowsAhead > 0 && n * row_bytes >= kLongRows ? kLongRowsAhead : kPrefetchBytes;
         for (; o + WN <= n1; o += WN) {
           const uint8_t* wr = qw + o * row_bytes;
           for (int64_t off = 0; off < WN * row_bytes; off += 64) {
-            __builtin_prefetch(wr + kPrefetchBytes + off, 0, 2);
+            __builtin_prefetch(wr + ahead + off, 0, 2);
 #if !defined(__AVX512F__)
             // AVX2 hosts: the rows 1 KiB on into L1 as well. Zen 3, one row from memory,
             // alternating in one process (30 rounds, three runs): SmolLM2's Q8_0 head 0.88-0.90x
