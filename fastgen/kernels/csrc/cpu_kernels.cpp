@@ -3954,8 +3954,9 @@ inline void group_sums(const T* x, int64_t groups, float* out) {
 // kPrefetchBytes, each thread's share being one long stream. Zen 3, random rows of SmolLM2's
 // default-mode shapes, one process switching round by round (30-40 rounds a run): the head 0.867 /
 // 0.875x the time at 12 KiB (28 and 25 of 30 faster), 0.896-0.926x at 8 KiB, 0.891x at 16 KiB,
-// 0.902x at 24 KiB; the layer products, below the threshold, untouched. Whole default-mode decode
-// steps 0.966 / 0.981 / 0.986x (22, 21 and 18 of 30 rounds faster). The dense fp32 GEMV's head
+// 0.902x at 24 KiB; the layer products, below the threshold, untouched; a head of Gemma 3's shape
+// (262,144 x 640, 178 MB) 0.868x (16 of 16). Whole default-mode decode steps 0.966 / 0.981 /
+// 0.986x (22, 21 and 18 of 30 rounds faster), Gemma 3's 0.957x (17 of 20). The dense fp32 GEMV's head
 // with an L2 prefetch 12 KiB ahead besides its L1 one: decode steps 1.037x (twice), not taken.
 // AVX-512 hosts (Zen 4) had measured 8-16 KiB over every product slower (docs/architecture.md)
 // and keep kPrefetchBytes until measured for long products.
