@@ -32,6 +32,7 @@ import torch
 from ..engine import Engine
 from ..launcher import MARK_ENV
 from ..request import SamplingParams
+from .engine import add_engine_args
 from .engine_report import GOAL_DECODE_BANDWIDTH
 from .kernels import host_isa
 from .machine import BANDWIDTH_BOUND_RULE, cpu_name, measure_reads, model_costs, read_beside
@@ -72,11 +73,7 @@ class DecodeBenchResults:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fastgen.bench.decode", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--dtype", default="auto",
-                   choices=["bfloat16", "bf16", "float32", "fp32", "float16", "fp16", "auto"])
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
-    p.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
+    add_engine_args(p)
     p.add_argument("--rounds", type=int, default=3, help="runs of timed steps, each between two reads")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats: a smoke run")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode.json"), help="JSON of every number")

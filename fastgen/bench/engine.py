@@ -111,8 +111,8 @@ class EngineBenchResults:
         return asdict(self)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastgen.bench.engine", description=__doc__.split("\n")[0])
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options of the benchmarks that load one (this one and fastgen/bench/decode.py)."""
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default="auto",
                    choices=["bfloat16", "bf16", "float32", "fp32", "float16", "fp16", "auto"],
@@ -120,6 +120,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weights (default auto: a GGUF as shipped)")
     p.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fastgen.bench.engine", description=__doc__.split("\n")[0])
+    add_engine_args(p)
     p.add_argument("--target-itl-ms", type=float, default=None,
                    help="target of the calibrated budget shown (default: the engine's)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats: a smoke run")
