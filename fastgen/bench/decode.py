@@ -90,19 +90,19 @@ def bench_batch1(engine: Engine, sizes: Sizes, rounds: int, rng: random.Random, 
     costs = model_costs(engine)
     machine_gbps = max(r.gbps for r in measure_reads(engine, costs, sizes))
     sampling = SamplingParams(max_new_tokens=sizes.num_decode_steps + 8, do_sample=False, ignore_eos=True)
-    to_tps = costs.weight_bytes / 1e9      # tokens/s at 1 GB/s
+    gb_per_token = costs.weight_bytes / 1e9   # read once a step
     out = []
     for r in range(rounds):
         before = read_beside(engine, costs, sizes)
         result = bench_decode(engine, 1, sizes, sampling, rng)
         after = read_beside(engine, costs, sizes)
-        out.append(DecodeRound(result, before, after, result.tokens_per_s * to_tps / max(before, after)))
+        out.append(DecodeRound(result, before, after, result.tokens_per_s * gb_per_token / max(before, after)))
         print(f"   round {r + 1}: {result.step.median_s * 1e3:.2f} ms a step = {result.tokens_per_s:.1f} tokens/s; "
               f"reads beside {before:.1f} / {after:.1f} GB/s: {out[-1].ratio_beside:.1%} of their bound", flush=True)
     bound = max([machine_gbps] + [x for o in out for x in (o.read_before_gbps, o.read_after_gbps)])
     tps = statistics.median(o.result.tokens_per_s for o in out)
     return DecodeBenchResults(**meta, weight_bytes=costs.weight_bytes, machine_bound_gbps=machine_gbps,
-                              rounds=tuple(out), bound_gbps=bound, tokens_per_s=tps, ratio=tps * to_tps / bound)
+                              rounds=tuple(out), bound_gbps=bound, tokens_per_s=tps, ratio=tps * gb_per_token / bound)
 
 
 def run(args: argparse.Namespace) -> DecodeBenchResults:

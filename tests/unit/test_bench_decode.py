@@ -14,6 +14,10 @@ from fastgen.bench.machine import model_costs
 from fastgen.bench.timing import QUICK
 
 
+META = {"model": "tiny", "dtype": "torch.float32", "quantization": "none", "isa": "", "cpu": "", "num_threads": 1,
+        "allocator": "", "time": ""}
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     from tests.tiny_model import make_tiny_model
@@ -39,9 +43,7 @@ def _fake_reads(monkeypatch, machine_gbps: float, reads: list[float]) -> list[fl
 
 def test_the_verdict_takes_the_highest_read_of_the_run_and_each_round_its_own(tiny_engine, monkeypatch):
     left = _fake_reads(monkeypatch, 20.0, [10.0, 12.0, 30.0, 11.0, 9.0, 8.0])
-    res = bench_decode_mod.bench_batch1(tiny_engine, QUICK, 3, random.Random(0), {
-        "model": "tiny", "dtype": "torch.float32", "quantization": "none", "isa": "", "cpu": "", "num_threads": 1,
-        "allocator": "", "time": ""})
+    res = bench_decode_mod.bench_batch1(tiny_engine, QUICK, 3, random.Random(0), META)
     assert left == []                                    # two reads a round, no more
     per_gb = model_costs(tiny_engine).weight_bytes / 1e9
     assert [r.result.batch_size for r in res.rounds] == [1, 1, 1]
@@ -56,9 +58,7 @@ def test_the_verdict_takes_the_highest_read_of_the_run_and_each_round_its_own(ti
 
 def test_the_machine_limit_serves_when_no_read_beside_the_steps_is_higher(tiny_engine, monkeypatch):
     _fake_reads(monkeypatch, 50.0, [10.0, 12.0])
-    res = bench_decode_mod.bench_batch1(tiny_engine, QUICK, 1, random.Random(1), {
-        "model": "tiny", "dtype": "torch.float32", "quantization": "none", "isa": "", "cpu": "", "num_threads": 1,
-        "allocator": "", "time": ""})
+    res = bench_decode_mod.bench_batch1(tiny_engine, QUICK, 1, random.Random(1), META)
     assert res.bound_gbps == 50.0 and res.machine_bound_gbps == 50.0
 
 

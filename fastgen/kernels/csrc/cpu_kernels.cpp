@@ -2179,7 +2179,6 @@ inline void i8_keys32(const int8_t* kb, int64_t bs, const int8_t* vb, const floa
 // multiplied by the probabilities times their rows' scales in fp32 (vpmaddubsw's 16-bit pairs
 // cannot hold 8-bit probabilities times 8-bit values), so this kernel rounds less than the VNNI one.
 
-
 // i8_keys32 on AVX2: up to 32 keys of one KV head (keys [from, n) take part, n <= 32) against its
 // R query rows (qi: their int8 words, qsc: their scales times the softmax's; qcorr, the VNNI
 // kernel's correction of its unsigned keys, is not needed). Only the n keys' words and scales are
@@ -3964,7 +3963,7 @@ constexpr int64_t kLongRows = 8 << 20;   // bytes of a product's rows
 #if !defined(__AVX512F__)
 constexpr int64_t kLongRowsAhead = 12 << 10;
 #else
-constexpr int64_t kLongRowsAhead = 0;
+constexpr int64_t kLongRowsAhead = kPrefetchBytes;
 #endif
 
 std::atomic<const NextRows*> g_next_rows{nullptr};
@@ -4087,7 +4086,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
       if (m == 1) {
         constexpr int WN = 2;
         xqs[0] = xq.data(), dxs[0] = dx.data(), dss[0] = dsum.data();
-        const int64_t ahead = kLongRowsAhead > 0 && n * row_bytes >= kLongRows ? kLongRowsAhead : kPrefetchBytes;
+        const int64_t ahead = n * row_bytes >= kLongRows ? kLongRowsAhead : kPrefetchBytes;
         for (; o + WN <= n1; o += WN) {
           const uint8_t* wr = qw + o * row_bytes;
           for (int64_t off = 0; off < WN * row_bytes; off += 64) {
