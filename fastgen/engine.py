@@ -38,7 +38,7 @@ from .model.spec import local_kv_heads
 from .model.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from .request import FinishReason, Request, Response, SamplingParams, TokenLogprob
 from .row_limits import RowLimits, calibrate_row_limits
-from .sampling import NO_TOKEN, SamplingRow, sample
+from .sampling import NO_TOKEN, SamplingRow, argmax_decides, argmax_tokens, sample
 from .scheduler import StepPlan, make_scheduler
 from .structured import GrammarCompiler, grammar_bias
 from .telemetry import EventKind, EventLog, RequestEvent, RequestProgress, StepRecord
@@ -304,13 +304,21 @@ class Engine:
 
     COMPILE_WAIT_S = 0.05   # an idle engine waits this long for a grammar before step() returns
 
-    def _observed_forward(self, batch) -> torch.Tensor:
+    def _forward(self, batch, greedy: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The model's logits for ``batch`` and, when ``greedy`` (every row samples by plain argmax:
+        sampling.argmax_decides) and the head's kernel takes it, each logits row's argmax and its
+        value (``forward_greedy``, where the model says its head ``fuses_greedy``); timed for
+        ``forward_observer`` where one is set."""
         t0 = time.perf_counter()
-        logits = self.model(batch, self.pool)
-        if self.config.device.type == "cuda":
-            torch.cuda.synchronize(self.config.device)
-        self.forward_observer(time.perf_counter() - t0)
-        return logits
+        if greedy and getattr(self.model, "fuses_greedy", False):
+            logits, choice = self.model.forward_greedy(batch, self.pool)
+        else:
+            logits, choice = self.model(batch, self.pool), None
+        if self.forward_observer is not None:
+            if self.config.device.type == "cuda":
+                torch.cuda.synchronize(self.config.device)
+            self.forward_observer(time.perf_counter() - t0)
+        return logits, choice
 
     def _admit_compiled(self) -> list[StepOutput]:
         """Hand requests whose grammar has compiled to the scheduler; end those whose compile failed."""
@@ -341,19 +349,32 @@ class Engine:
         samplers = [(i, r) for i, (r, c) in enumerate(zip(reqs, plan.chunks))
                     if r.num_computed_tokens + c.num_tokens == r.num_tokens]
         masks = self._fill_masks(samplers)
+        srows = self._sampling_rows(samplers)
+        # every row that samples takes its logits' plain argmax, and no other row wants logits:
+        # the head's kernel may take the argmax inside the product (Engine._forward)
+        greedy = (bool(srows) and masks is None and not any(want_prompt_lp)
+                  and all(argmax_decides(s) for s in srows))
         try:
             batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
-            # [num_logits, vocab] fp32
-            logits = self.model(batch, self.pool) if self.forward_observer is None else self._observed_forward(batch)
+            logits, choice = self._forward(batch, greedy)      # [num_logits, vocab] fp32
             rows: dict[int, torch.Tensor] = {}
+            last_row: dict[int, int] = {}
             row = 0
             for i in batch.order:
                 rows[i] = logits[row:row + seqs[i].num_logits]
                 row += seqs[i].num_logits
+                last_row[i] = row - 1
             for i, r in enumerate(reqs):
                 if want_prompt_lp[i]:
                     self._record_prompt_logprobs(r, r.num_computed_tokens, rows[i])
-            sampled = self._sample(samplers, rows, masks) if samplers else ([], [])
+            if choice is not None:
+                picked = [last_row[i] for i, _ in samplers]
+                idx, best = choice
+                if picked != list(range(idx.shape[0])):
+                    idx, best = idx[picked], best[picked]
+                sampled = (argmax_tokens(idx, best), [None] * len(samplers))
+            else:
+                sampled = self._sample(samplers, srows, rows, masks) if samplers else ([], [])
         except RankFailedError as e:  # a tensor-parallel rank is gone: this replica cannot serve on
             log.error("%s", e)
             self._step_failed = True
@@ -427,13 +448,15 @@ class Engine:
                    for _, r in samplers), "a matcher has accepted exactly the generated tokens"
         return self.grammars.bias_async(states)
 
-    def _sample(self, samplers: list[tuple[int, Request]], rows: dict[int, torch.Tensor],
+    def _sampling_rows(self, samplers: list[tuple[int, Request]]) -> list[SamplingRow]:
+        return [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                            tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else (),
+                            r.grammar_state)
+                for _, r in samplers]
+
+    def _sample(self, samplers: list[tuple[int, Request]], srows: list[SamplingRow], rows: dict[int, torch.Tensor],
                 masks: concurrent.futures.Future | None) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = torch.cat([rows[i][-1:] for i, _ in samplers])     # [num_sampling, vocab]
-        srows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                             tuple(self.eos_token_ids) if r.num_output_tokens < r.params.min_new_tokens else (),
-                             r.grammar_state)
-                 for _, r in samplers]
         return sample(logits, srows, self._generator, None if masks is None else masks.result())
 
     def _after_token(self, r: Request, tok: int, lp, now: float) -> StepOutput:

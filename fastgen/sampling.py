@@ -43,6 +43,23 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], grammar_bias: 
             logits[i, list(r.suppress_token_ids)] = float("-inf")
 
 
+def argmax_decides(row: SamplingRow) -> bool:
+    """Whether ``row``'s token is the plain argmax of its logits, which :func:`sample` would neither
+    change (no logits processor of :func:`process_logits` applies: no output constraint, no
+    penalty, nothing suppressed) nor need beyond the argmax (greedy, no logprobs): such rows can
+    take the argmax the output head's kernel computes (fastgen/model/llama.py, ``head_logits``)."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and row.grammar is None and not p.has_penalties
+            and not row.suppress_token_ids)
+
+
+def argmax_tokens(idx: torch.Tensor, best: torch.Tensor) -> list[int]:
+    """:func:`sample`'s tokens for rows that :func:`argmax_decides`, from each row's argmax and its
+    value: :data:`NO_TOKEN` where that value is NaN or -inf (the row holds no finite choice), as
+    :func:`sample` decides it."""
+    return [NO_TOKEN if v != v or v == float("-inf") else t for t, v in zip(idx.tolist(), best.tolist())]
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: repetition (prompt + output), presence and frequency (output) penalties."""
     for i, row in enumerate(rows):

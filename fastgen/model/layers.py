@@ -108,7 +108,7 @@ class GemvDenseWeight(DenseWeight):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.contiguous(), bias)
-        self._gemv = fast_op("gemv")
+        self._gemv, self._gemv_argmax = fast_op("gemv"), fast_op("gemv_argmax")
         self._packed = PackedWeight(weight, bias) if PackedWeight.supported(weight.device, weight.dtype) else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +117,13 @@ class GemvDenseWeight(DenseWeight):
         if self._packed is not None:
             return self._packed.matmul(x)
         return F.linear(x, self.weight, self.bias)
+
+    def matmul_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(y, argmax of each row of y, its value in fp32)`` for rows the GEMV takes, with greedy
+        decoding's choice taken inside the product (``gemv_argmax``); None for more rows."""
+        if x.shape[0] > self.MAX_GEMV_ROWS:
+            return None
+        return self._gemv_argmax(x, self.weight, self.bias)
 
     @property
     def num_bytes(self) -> int:
@@ -194,6 +201,12 @@ class Linear(nn.Module):
         if self.format is None:
             return F.linear(x, self.weight, self.bias)
         return self.format.matmul(x)
+
+    def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(forward(x), argmax of each row, its value in fp32)`` where the weight format takes the
+        argmax inside the product (``matmul_argmax``: the native decode-row kernels); else None."""
+        fused = getattr(self.format, "matmul_argmax", None)
+        return fused(x) if fused is not None else None
 
     # The hot path skips nn.Module.__call__ (its hook checks cost ~2 us a call, and a decode
     # step of SmolLM2 makes 121 of these calls): forward hooks on a Linear are not run.

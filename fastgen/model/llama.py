@@ -273,6 +273,23 @@ def stacked_name(name: str) -> tuple[str, int] | None:
     return name.replace(frag, target), part
 
 
+GreedyChoice = tuple[torch.Tensor, torch.Tensor]   # per logits row: argmax (int64), its value (fp32)
+
+
+def head_logits(head: nn.Module, x: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, GreedyChoice | None]:
+    """The output head's logits of rows ``x`` in fp32 and, when ``greedy`` asks and the head's
+    weight format takes it inside the product (``Linear.forward_argmax``: the native decode-row
+    kernels), each row's argmax and its value, torch.argmax's answer over the logits returned.
+    The choice comes from each block of the head's outputs while it is in cache: read back after
+    the product, the logits come from memory (the head's weight stream pushed them out)."""
+    fused = getattr(head, "forward_argmax", None) if greedy else None
+    got = fused(x) if fused is not None else None
+    if got is None:
+        return head(x).float(), None
+    y, idx, best = got
+    return y.float(), (idx, best)
+
+
 class LlamaForCausalLM(nn.Module):
     """``forward(batch, pool) -> logits [len(batch.logits_indices), vocab]`` in fp32.
 
@@ -361,12 +378,28 @@ class LlamaForCausalLM(nn.Module):
     def step(self, batch: RaggedBatch, pool: KVPool) -> Step:
         return Step(batch, pool, self.attention.plan(batch), self.ops, self.attention, tuple(self.ropes))
 
-    @torch.inference_mode()
     def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
+        """The logits of ``batch``'s rows that want them, ``[num_logits, vocab]`` fp32."""
+        return self._forward(batch, pool, False)[0]
+
+    @property
+    def fuses_greedy(self) -> bool:
+        """Whether :meth:`forward_greedy` can take greedy decoding's choice inside the head's
+        product (its weight format has ``matmul_argmax``; steps not run as CUDA graphs)."""
+        fmt = getattr(self.head, "format", None)
+        return hasattr(fmt, "matmul_argmax") and self._step_graphs() is None
+
+    def forward_greedy(self, batch: RaggedBatch, pool: KVPool) -> tuple[torch.Tensor, GreedyChoice | None]:
+        """:meth:`forward`'s logits and, where the head's kernel takes it inside the product
+        (:func:`head_logits`), greedy decoding's choice for each of their rows; else None."""
+        return self._forward(batch, pool, True)
+
+    @torch.inference_mode()
+    def _forward(self, batch: RaggedBatch, pool: KVPool, greedy: bool) -> tuple[torch.Tensor, GreedyChoice | None]:
         graphs = self._step_graphs()
         shape = graphs.fit(batch, pool) if graphs is not None else None
         if shape is not None:
-            return graphs.run(batch, pool, shape)                  # as CUDA graphs (fastgen/model/cuda_graphs.py)
+            return graphs.run(batch, pool, shape), None            # as CUDA graphs (fastgen/model/cuda_graphs.py)
         step = self.step(batch, pool)
         residual, x = self.embed_normed(batch, self.ops)           # [T, hidden] each
         stack = self._native_stack()
@@ -375,7 +408,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             for run in self._layer_runs():
                 x = run(x, residual, step)                         # x = the next norm of residual
-        return self.head(x[batch.logits_indices]).float()          # [num_logits, vocab]
+        return head_logits(self.head, x[batch.logits_indices], greedy)   # [num_logits, vocab]
 
     def embed_normed(self, batch: RaggedBatch, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual, x)``: the embedding of ``batch``'s tokens and the first layer's input norm of it
@@ -572,12 +605,12 @@ class LayerNormCausalLM(LlamaForCausalLM):
         self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @torch.inference_mode()
-    def forward(self, batch: RaggedBatch, pool: KVPool) -> torch.Tensor:
+    def _forward(self, batch: RaggedBatch, pool: KVPool, greedy: bool) -> tuple[torch.Tensor, GreedyChoice | None]:
         step = self.step(batch, pool)
         x = self.embed(batch)                                      # [T, hidden]
         for layer in self.layers:
             x = layer(x, step)
-        return self.head(self.norm(x[batch.logits_indices])).float()   # [num_logits, vocab]
+        return head_logits(self.head, self.norm(x[batch.logits_indices]), greedy)   # [num_logits, vocab]
 
 
 _TOP_GGUF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

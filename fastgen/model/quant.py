@@ -246,6 +246,7 @@ class QuantWeight:
         # direct calls of the ops (fastgen.kernels.direct: ~1 us less a call than torch.ops'
         # overloads; 121 qgemv calls a decode step)
         self._qgemv, self._qgemm = fast_op("qgemv"), fast_op("qgemm")
+        self._qgemv_argmax = fast_op("qgemv_argmax")
         self._qgemm_a8 = fast_op("qgemm_a8") if hasattr(torch.ops.fastgen, "qgemm_a8") else None
         # int8 activations (per group of 32, VNNI dot products; EngineOptions turns them on unless
         # float32 is asked for by name), where they pay:
@@ -316,6 +317,16 @@ class QuantWeight:
             y = self._qgemv(x, q.qweight, q.scales, q.mins, q.kind, a8)
             return y if self.bias is None else y + self.bias
         return self._many_rows(x, self._bias_f32, False)
+
+    def matmul_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(y, argmax of each row of y, its value in fp32)``: :meth:`matmul` of decode rows with
+        greedy decoding's choice taken inside the product (``qgemv_argmax``), while each block of
+        outputs is in cache; None where qgemv does not run these rows, or a bias follows it."""
+        rows, a8 = self.decode_plan(x.dtype)
+        if x.shape[0] > rows or self.bias is not None:
+            return None
+        q = self.quant
+        return self._qgemv_argmax(x, q.qweight, q.scales, q.mins, q.kind, a8)
 
     def matmul_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this fused ``[gate; up]`` product, ``[T, out/2]``, with the activation

@@ -55,6 +55,15 @@ class TensorParallelModel(nn.Module):
         except Exception as e:  # the other ranks wait in a collective rank 0 will not reach
             raise RankFailedError(f"rank 0's forward failed mid-step, leaving the ranks out of step: {e}") from e
 
+    # the head's shards gather their logits after the product, so the engine takes the argmax of
+    # them; set here so that the shard model's own ``fuses_greedy`` / ``forward_greedy`` are never
+    # reached past the batch sent to the other ranks
+    fuses_greedy = False
+
+    def forward_greedy(self, batch: RaggedBatch, pool: KVPool) -> tuple[torch.Tensor, None]:
+        """:meth:`forward`, and no greedy choice from the head (see ``fuses_greedy``)."""
+        return self.forward(batch, pool), None
+
     def close(self) -> None:
         self.group.stop()
 

@@ -232,3 +232,44 @@ def test_caller_chosen_ids_do_not_collide_with_automatic_ones(smollm2_pipe):
         engine.step()
     for rid in (probe, *taken, auto):
         engine.response(rid)
+
+
+def test_plain_greedy_steps_take_the_heads_argmax_and_the_same_tokens(smollm2_pipe, monkeypatch):
+    """Steps whose every sampling row is plain greedy take the argmax the output head's kernel
+    computes inside the product (Engine._forward, ``forward_greedy``): the same tokens as the
+    path that samples from the logits afterwards. A batch mate that draws, wants logprobs or a
+    penalty, or is held below min_new_tokens, sends its steps down that path."""
+    import fastgen.engine
+    from fastgen.request import SamplingParams
+
+    eng = smollm2_pipe.engine
+    cls = type(eng.model)
+    fused = []
+    orig = cls.forward_greedy
+
+    def spy(self, batch, pool):
+        out = orig(self, batch, pool)
+        fused.append(out[1] is not None)
+        return out
+
+    monkeypatch.setattr(cls, "forward_greedy", spy)
+    prompts = [PROMPT, "The capital of France is", "def add(a, b):"]
+    got = smollm2_pipe(prompts, max_new_tokens=10, do_sample=False, ignore_eos=True)
+    assert len(fused) >= 10 and all(fused)            # batches of 3 and 1 decode, and the prompts' last steps
+
+    fused.clear()
+    with monkeypatch.context() as m:
+        m.setattr(fastgen.engine, "argmax_decides", lambda row: False)
+        want = smollm2_pipe(prompts, max_new_tokens=10, do_sample=False, ignore_eos=True)
+    assert not fused
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+    greedy = SamplingParams(max_new_tokens=6, do_sample=False, ignore_eos=True)
+    for mate in (dict(do_sample=True, seed=3), dict(do_sample=False, logprobs=1),
+                 dict(do_sample=False, repetition_penalty=1.3), dict(do_sample=False, min_new_tokens=6)):
+        fused.clear()
+        ids = [eng.add_request(PROMPT, greedy), eng.add_request(PROMPT, SamplingParams(max_new_tokens=6, **mate))]
+        while eng.has_unfinished():
+            eng.step()
+        [eng.response(i) for i in ids]
+        assert not any(fused), mate

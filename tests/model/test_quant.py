@@ -95,6 +95,27 @@ def test_quantized_gemv_matches_its_dequantized_weights(dtype, bits, rows, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,int8_activations", [(4, False), (4, True), (8, False), (8, True)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_fused_argmax_is_the_gemvs_outputs_and_their_argmax(dtype, bits, int8_activations, rows):
+    """``QuantWeight.matmul_argmax`` (qgemv with greedy decoding's choice taken a block of outputs
+    at a time): matmul's outputs bit for bit and torch.argmax of them, over blocks and both
+    threads' shares (2,600 outputs), with a tie across the shares; None past qgemv's rows."""
+    g = torch.Generator().manual_seed(bits + rows)
+    w = torch.randn(2600, 576, generator=g)
+    w[2100] = w[300] = w[300] * 3          # the largest output twice, in both threads' shares
+    fmt = QuantWeight(quantize(w, bits), None, int8_activations=int8_activations)
+    x = torch.randn(rows, 576, generator=g).abs().to(dtype)
+    x[:, :] = x[0]                        # every row's largest output is row 300 (and 2100)
+    y, idx, best = fmt.matmul_argmax(x)
+    assert torch.equal(y, fmt.matmul(x))
+    assert torch.equal(idx, y.float().argmax(-1))
+    assert torch.equal(best, y.float().max(-1).values)
+    many = torch.randn(fmt.decode_plan(dtype)[0] + 1, 576, generator=g).to(dtype)
+    assert fmt.matmul_argmax(many) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rows_take_the_gemv_and_do_not_depend_on_their_batch(dtype):
     """Up to the format's row limit (8 in bf16 where qgemv has its vdpbf16ps kernel, else 6) a
     batch of decode rows goes through qgemv, whose every row is summed alone: each row of the

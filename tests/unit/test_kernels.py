@@ -154,6 +154,48 @@ def test_gemv_matches_linear(dtype, rows, shape):
     torch.testing.assert_close(torch.ops.fastgen.gemv(x, w, None).float(), want - b.float(), **TOL[dtype])
 
 
+def _assert_argmax_of(y, idx, best):
+    """idx and best: torch.argmax of each row of y (as fp32) and the value there, NaN for NaN."""
+    yf = y.float()
+    assert torch.equal(idx, yf.argmax(-1))
+    torch.testing.assert_close(best, yf.gather(1, idx[:, None]).squeeze(1), atol=0, rtol=0, equal_nan=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), rows=st.sampled_from([1, 2, 8]),
+       # one block of the fused argmax (1,024 outputs), blocks and a rest, a share of each thread
+       n=st.sampled_from([1, 5, 70, 1024, 1030, 2600, 5000]), k=st.sampled_from([64, 203]),
+       special=st.sampled_from(["none", "nan", "nans", "-inf", "all -inf", "+inf", "tie"]),
+       at=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_gemv_argmax_is_the_gemv_and_torch_argmax_of_it(dtype, rows, n, k, special, at, seed):
+    """Greedy decoding's choice taken inside the GEMV, a block of outputs at a time while it is in
+    cache: the same outputs bit for bit as gemv, and torch.argmax of them (the first of the
+    largest value; the first NaN), wherever the special value lands among blocks and threads."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    j = min(n - 1, int(at * n))
+    if special == "nan":
+        b[j] = float("nan")
+    elif special == "nans":
+        b[j] = b[n - 1 - j] = float("nan")
+    elif special == "-inf":
+        b[j] = float("-inf")
+    elif special == "all -inf":
+        b[:] = float("-inf")
+    elif special == "+inf":
+        b[j] = b[n // 2] = float("inf")
+    elif special == "tie" and n > 1:
+        w[n - 1 - j] = w[j]
+        b[n - 1 - j] = b[j]
+        b[j] += 1000     # w[j]'s output is the largest, twice
+        b[n - 1 - j] = b[j]
+    y, idx, best = torch.ops.fastgen.gemv_argmax(x, w, b)
+    torch.testing.assert_close(y, torch.ops.fastgen.gemv(x, w, b), atol=0, rtol=0, equal_nan=True)
+    _assert_argmax_of(y, idx, best)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_small_ops_equal_the_torch_ops(dtype):
     g = torch.Generator().manual_seed(3)

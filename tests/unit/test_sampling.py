@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastgen import kernels
 from fastgen.request import SamplingParams
-from fastgen.sampling import NATIVE_SAMPLER_ENV, SamplingRow, sample
+from fastgen.sampling import NATIVE_SAMPLER_ENV, SamplingRow, argmax_decides, argmax_tokens, sample
 
 
 def row(seed=None, **kw) -> SamplingRow:
@@ -157,3 +159,36 @@ def test_the_native_sampler_draws_the_torch_paths_tokens(params, monkeypatch):
     ref, _ = sample(lg.clone(), rows)
     assert native == ref
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=st.fixed_dictionaries({}, optional={
+           "do_sample": st.booleans(), "temperature": st.sampled_from([0.0, 0.7, 1.0]),
+           "repetition_penalty": st.sampled_from([1.0, 1.3]), "presence_penalty": st.sampled_from([0.0, 0.5]),
+           "frequency_penalty": st.sampled_from([0.0, -0.4]), "logprobs": st.sampled_from([None, 0, 2])}),
+       suppress=st.sampled_from([(), (3,)]), special=st.sampled_from(["none", "nan", "-inf", "tie", "+inf"]),
+       seed=st.integers(0, 2**16))
+def test_rows_the_argmax_decides_sample_the_argmax_tokens(params, suppress, special, seed):
+    """The engine hands a step's rows to the output head's fused argmax only where
+    ``argmax_decides`` says sample() would return that argmax: then ``argmax_tokens`` of the
+    argmax and its value must be sample()'s tokens, NaN, -inf and ties included, and the rows it
+    refuses are exactly those with a logits processor, a draw or logprobs."""
+    lg = logits(3, vocab=200, seed=seed)
+    if special == "nan":
+        lg[1, 17] = float("nan")
+    elif special == "-inf":
+        lg[1] = float("-inf")
+    elif special == "tie":
+        lg[1, 40] = lg[1, 90] = lg[1].max() + 1
+    elif special == "+inf":
+        lg[1, 5] = float("inf")
+    rows = [SamplingRow(SamplingParams(**params), [1, 2], [4, 4, 9], torch.Generator().manual_seed(1), suppress)
+            for _ in range(3)]
+    p = rows[0].params
+    plain = p.greedy and p.logprobs is None and not p.has_penalties and not suppress
+    assert argmax_decides(rows[0]) == plain
+    if plain:
+        idx = lg.argmax(-1)
+        best = lg.gather(1, idx[:, None]).squeeze(1)
+        toks, lps = sample(lg.clone(), rows)
+        assert argmax_tokens(idx, best) == toks and lps == [None] * 3

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -325,6 +326,70 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   });
   return out;
 }
+
+// Greedy decoding's choice fused into a decode product (gemv_argmax, qgemv_argmax): each thread
+// runs its share of the output rows a block at a time and takes the block's argmax (argmax_row,
+// per row of x) while the outputs it just wrote are still in L1. After the product the head's
+// logits were cold: its weight stream (SmolLM2: 113 MB in fp32, 28 MB in Q8_0) had pushed them
+// out of every cache, and reading them back for the argmax cost a copy and a scan from memory
+// (the engine's _sample: 160-270 us a batch-1 step on the Zen 3 host). The answer is
+// torch.argmax's over the stored values (y rounded to its dtype): the first index of the largest
+// value, or of the first NaN. A block is a multiple of 16 rows, so every row takes the kernel
+// path (blocks of 16, pairs) it takes without the tracking, and gives the same bits.
+constexpr int64_t kArgmaxBlock = 1024;
+
+struct RowBest {
+  float v = 0.f;
+  int64_t i = -1;
+  // `w` at index `j`, met after every index already taken
+  void take(float w, int64_t j) {
+    if (i < 0 || (!std::isnan(v) && (std::isnan(w) || w > v))) v = w, i = j;
+  }
+};
+
+class ArgmaxTrack {
+ public:
+  explicit ArgmaxTrack(int64_t m) : m_(m) {}
+
+  // body(b0, b1) writes y's columns [b0, b1) of every row; [n0, n1) is one thread's share
+  template <typename T, typename Body>
+  void run(int64_t n0, int64_t n1, const T* y, int64_t n, Body&& body) {
+    std::vector<RowBest> mine(m_);
+    float buf[kArgmaxBlock];
+    for (int64_t b0 = n0; b0 < n1; b0 += kArgmaxBlock) {
+      const int64_t b1 = std::min(n1, b0 + kArgmaxBlock);
+      body(b0, b1);
+      for (int64_t r = 0; r < m_; ++r) {
+        const float* v = buf;
+        if constexpr (std::is_same_v<T, float>) {
+          v = y + r * n + b0;
+        } else {
+          for (int64_t j = b0; j < b1; ++j) buf[j - b0] = load(y, r * n + j);
+        }
+        const int64_t j = argmax_row(v, b1 - b0);
+        mine[r].take(v[j], b0 + j);
+      }
+    }
+    std::lock_guard<std::mutex> guard(mu_);
+    shares_.emplace_back(n0, std::move(mine));
+  }
+
+  // the shares merged in the order of their rows: index and value per row of x
+  void finish(int64_t* idx, float* best) {
+    std::sort(shares_.begin(), shares_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (int64_t r = 0; r < m_; ++r) {
+      RowBest all;
+      for (const auto& share : shares_) all.take(share.second[r].v, share.second[r].i);
+      idx[r] = all.i;
+      best[r] = all.v;
+    }
+  }
+
+ private:
+  int64_t m_;
+  std::mutex mu_;
+  std::vector<std::pair<int64_t, std::vector<RowBest>>> shares_;
+};
 
 // ---------------------------------------------------------------------------------------
 // One draw per row of logits [n, V] (fp32, the logits processors already applied): softmax at
@@ -3082,7 +3147,8 @@ inline float dot1(const float* xr, const T* xraw, const T* wr, int64_t k) {
 }
 
 template <typename T>
-void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
+void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, int64_t k,
+               ArgmaxTrack* track = nullptr) {
 #if defined(__AVX512F__)
   // bf16 only: fp32 rows are twice the bytes, and there the blocks measured level at one row
   // and slower at 2-8 (each block's 16 rows read again for every row of x: 1.10-1.22x)
@@ -3099,7 +3165,7 @@ void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n
     for (int64_t r = 0; r < m; ++r) permute16(xf.data() + r * k, k);   // dotv_bf16's order
 #endif
   auto xrow = [&](int64_t r) -> const float* { return blocks ? nullptr : xf.data() + r * k; };
-  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+  auto body = [&](int64_t n0, int64_t n1) {
     int64_t o = n0;
 #if defined(__AVX512F__)
     if (blocks) {
@@ -3119,10 +3185,17 @@ void gemv_impl(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n
       const float b = bias != nullptr ? load(bias, o) : 0.f;
       for (int64_t r = 0; r < m; ++r) store(y, r * n + o, dot1<T>(xrow(r), x + r * k, wr, k) + b);
     }
+  };
+  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+    if (track != nullptr)
+      track->run(n0, n1, y, n, body);
+    else
+      body(n0, n1);
   });
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv_tracked(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                        ArgmaxTrack* track) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, k], w [n, k]");
   TORCH_CHECK(w.is_contiguous() && x.scalar_type() == w.scalar_type());
   at::Tensor xc = x.contiguous();
@@ -3136,12 +3209,29 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   AT_DISPATCH_SWITCH(w.scalar_type(), "gemv",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         gemv_impl<float>(xc.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                         y.data_ptr<float>(), m, n, k); })
+                         y.data_ptr<float>(), m, n, k, track); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         gemv_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
                                 b.defined() ? b.data_ptr<at::BFloat16>() : nullptr,
-                                y.data_ptr<at::BFloat16>(), m, n, k); }));
+                                y.data_ptr<at::BFloat16>(), m, n, k, track); }));
   return y;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return gemv_tracked(x, w, bias, nullptr);
+}
+
+// (y, argmax of each row of y, its value in fp32): gemv with greedy decoding's choice fused in
+// (ArgmaxTrack)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_argmax(const at::Tensor& x, const at::Tensor& w,
+                                                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(0) > 0, "gemv_argmax: x [m, k], w [n, k], n > 0");
+  ArgmaxTrack track(x.size(0));
+  at::Tensor y = gemv_tracked(x, w, bias, &track);
+  at::Tensor idx = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  at::Tensor best = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  track.finish(idx.data_ptr<int64_t>(), best.data_ptr<float>());
+  return {y, idx, best};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -3992,7 +4082,7 @@ inline void prefetch_share(const NextRows* next, int64_t tid, int64_t threads) {
 
 template <typename T>
 void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const uint16_t* mins_h, T* y, int64_t m,
-                int64_t n, int64_t k, int kind, bool act_int8) {
+                int64_t n, int64_t k, int kind, bool act_int8, ArgmaxTrack* track = nullptr) {
   const int64_t groups = k / 32;
   const int64_t row_bytes = kind == 4 ? k / 2 : k;
   const bool vnni = act_int8 && kHaveVnni;
@@ -4051,8 +4141,7 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
   static const bool next_on = [] { const char* v = std::getenv("FASTGEN_NEXT_ROWS_PREFETCH"); return !(v && v[0] == '0'); }();
   const bool pf_next = next != nullptr && next_on;
   const int64_t threads = pf_next ? at::get_num_threads() : 1;
-  at::parallel_for(0, n, 64, [=, &xf, &xsum, &xq, &dx, &dsum, &xp](int64_t n0, int64_t n1) {
-    if (pf_next) prefetch_share(next, at::get_thread_num(), threads);
+  auto body = [=, &xf, &xsum, &xq, &dx, &dsum, &xp](int64_t n0, int64_t n1) {
     // this row's scales and minima in fp32 (16 per instruction from their fp16), for the row
     // kernels that take them so (the bf16 dot products and the int8 quads widen them in registers)
     const bool fp16_rows = bf16_dot || a8_rows;
@@ -4242,11 +4331,18 @@ void qgemv_impl(const T* x, const uint8_t* qw, const uint16_t* scales_h, const u
         }
       }
     }
+  };
+  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+    if (pf_next) prefetch_share(next, at::get_thread_num(), threads);
+    if (track != nullptr)
+      track->run(n0, n1, y, n, body);
+    else
+      body(n0, n1);
   });
 }
 
-at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
-                 const c10::optional<at::Tensor>& mins, int64_t kind, bool act_int8) {
+at::Tensor qgemv_tracked(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& mins, int64_t kind, bool act_int8, ArgmaxTrack* track) {
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2, "qgemv: x [m, k], qw [n, k/2 or k]");
   const int64_t m = x.size(0), k = x.size(1), n = qw.size(0);
   const QuantRowsPtrs qp = check_quant_rows("qgemv", qw, scales, mins, kind, k);
@@ -4255,11 +4351,32 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
   AT_DISPATCH_SWITCH(xc.scalar_type(), "qgemv",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         qgemv_impl<float>(xc.data_ptr<float>(), qw.data_ptr<uint8_t>(), qp.scales, qp.mins,
-                          y.data_ptr<float>(), m, n, k, static_cast<int>(kind), act_int8); })
+                          y.data_ptr<float>(), m, n, k, static_cast<int>(kind), act_int8, track); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         qgemv_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), qw.data_ptr<uint8_t>(), qp.scales,
-                                 qp.mins, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind), act_int8); }));
+                                 qp.mins, y.data_ptr<at::BFloat16>(), m, n, k, static_cast<int>(kind), act_int8,
+                                 track); }));
   return y;
+}
+
+at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& mins, int64_t kind, bool act_int8) {
+  return qgemv_tracked(x, qw, scales, mins, kind, act_int8, nullptr);
+}
+
+// (y, argmax of each row of y, its value in fp32): qgemv with greedy decoding's choice fused in
+// (ArgmaxTrack)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qgemv_argmax(const at::Tensor& x, const at::Tensor& qw,
+                                                            const at::Tensor& scales,
+                                                            const c10::optional<at::Tensor>& mins, int64_t kind,
+                                                            bool act_int8) {
+  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.size(0) > 0, "qgemv_argmax: x [m, k], qw [n, bytes], n > 0");
+  ArgmaxTrack track(x.size(0));
+  at::Tensor y = qgemv_tracked(x, qw, scales, mins, kind, act_int8, &track);
+  at::Tensor idx = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  at::Tensor best = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  track.finish(idx.data_ptr<int64_t>(), best.data_ptr<float>());
+  return {y, idx, best};
 }
 
 }  // namespace
@@ -4274,6 +4391,9 @@ TORCH_LIBRARY(fastgen, m) {
         "Tensor(a!) k_pool, Tensor(b!) v_pool, int h, int kvh, int d) -> Tensor[]");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("qgemv(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, bool act_int8=False) -> Tensor");
+  m.def("gemv_argmax(Tensor x, Tensor w, Tensor? bias) -> (Tensor, Tensor, Tensor)");
+  m.def("qgemv_argmax(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, bool act_int8=False) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("have_vnni() -> bool");
   m.def("a8_kinds() -> int[]");
   m.def("a8_gemv_kinds() -> int[]");
@@ -4335,6 +4455,8 @@ TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
   m.impl("paged_attention_i8", &paged_attention_i8);
   m.impl("gemv", &gemv);
   m.impl("qgemv", &qgemv);
+  m.impl("gemv_argmax", &gemv_argmax);
+  m.impl("qgemv_argmax", &qgemv_argmax);
 }
 
 namespace fastgen_kernels {
