@@ -60,6 +60,7 @@ class RaggedBatch:
     block_tables: tuple[tuple[int, ...], ...]  # [S] blocks covering each sequence's keys (host)
     num_decodes: int                  # the first num_decodes sequences have one token each
     block_size: int
+    logits_all: bool = False          # logits_indices is every row, in order (decode steps): no gather
 
     @property
     def num_tokens(self) -> int:
@@ -104,4 +105,5 @@ def build_batch(seqs: list[SeqInput], block_size: int, device: torch.device) -> 
     return RaggedBatch(
         token_ids=flat[:t], positions=flat[t:2 * t], slots=flat[2 * t:3 * t], logits_indices=flat[3 * t:],
         order=tuple(order), q_starts=tuple(q_starts), start_pos=tuple(seqs[i].start_pos for i in order),
-        block_tables=tuple(tables), num_decodes=num_decodes, block_size=block_size)
+        block_tables=tuple(tables), num_decodes=num_decodes, block_size=block_size,
+        logits_all=len(logits_rows) == t)   # rows are distinct, in flat order: all of them, in order

@@ -408,7 +408,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             for run in self._layer_runs():
                 x = run(x, residual, step)                         # x = the next norm of residual
-        return head_logits(self.head, x[batch.logits_indices], greedy)   # [num_logits, vocab]
+        rows = x if batch.logits_all else x[batch.logits_indices]  # a decode step's rows as they are
+        return head_logits(self.head, rows, greedy)                # [num_logits, vocab]
 
     def embed_normed(self, batch: RaggedBatch, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual, x)``: the embedding of ``batch``'s tokens and the first layer's input norm of it
