@@ -18,8 +18,8 @@ from ..config import cpu_flags
 from ..model.attention import PagedAttention, SdpaAttention
 
 ISA_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
-PRODUCT_OPS = ("fastgen::gemv", "fastgen::qgemv", "mkldnn::_linear_pointwise", "aten::linear", "aten::addmm",
-               "aten::mm")
+PRODUCT_OPS = ("fastgen::gemv", "fastgen::qgemv", "fastgen::gemv_argmax", "fastgen::qgemv_argmax", "fastgen::qgemm",
+               "fastgen::qgemm_a8", "mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm")
 ATTENTION_OPS = ("fastgen::paged_attention", "aten::scaled_dot_product_attention")
 
 

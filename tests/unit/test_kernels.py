@@ -452,3 +452,17 @@ def test_native_argmax_gives_torchs_indices(data):
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     flipped = x.flip(1).contiguous()
     assert torch.equal(argmax_rows(flipped), flipped.argmax(-1))
+
+
+def test_every_native_product_op_counts_as_a_product_in_the_decode_breakdown():
+    """make bench splits a batch-1 step into products, attention and everything else by op name
+    (fastgen/bench/kernels.py): a product op missing from the list (the head's fused argmax was,
+    at first) would be counted as everything else."""
+    import re
+
+    from fastgen.bench.kernels import PRODUCT_OPS
+
+    native = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fastgen::")}
+    products = {n for n in native if re.fullmatch(r"fastgen::q?gem[mv](_a8|_argmax)?", n)}
+    assert {"fastgen::gemv", "fastgen::gemv_argmax", "fastgen::qgemv_argmax", "fastgen::qgemm_a8"} <= products
+    assert products <= set(PRODUCT_OPS)
