@@ -352,27 +352,21 @@ class Engine:
         srows = self._sampling_rows(samplers)
         # every row that samples takes its logits' plain argmax, and no other row wants logits:
         # the head's kernel may take the argmax inside the product (Engine._forward)
-        greedy = (bool(srows) and masks is None and not any(want_prompt_lp)
-                  and all(argmax_decides(s) for s in srows))
+        greedy = bool(srows) and not any(want_prompt_lp) and all(argmax_decides(s) for s in srows)
         try:
             batch = build_batch(seqs, self.config.cache.block_size, self.config.device)
             logits, choice = self._forward(batch, greedy)      # [num_logits, vocab] fp32
             rows: dict[int, torch.Tensor] = {}
-            last_row: dict[int, int] = {}
             row = 0
             for i in batch.order:
                 rows[i] = logits[row:row + seqs[i].num_logits]
                 row += seqs[i].num_logits
-                last_row[i] = row - 1
             for i, r in enumerate(reqs):
                 if want_prompt_lp[i]:
                     self._record_prompt_logprobs(r, r.num_computed_tokens, rows[i])
-            if choice is not None:
-                picked = [last_row[i] for i, _ in samplers]
-                idx, best = choice
-                if picked != list(range(idx.shape[0])):
-                    idx, best = idx[picked], best[picked]
-                sampled = (argmax_tokens(idx, best), [None] * len(samplers))
+            if choice is not None:   # no prompt logprobs: one logits row a sampler, in batch order
+                tokens = dict(zip((i for i in batch.order if seqs[i].num_logits), argmax_tokens(*choice)))
+                sampled = ([tokens[i] for i, _ in samplers], [None] * len(samplers))
             else:
                 sampled = self._sample(samplers, srows, rows, masks) if samplers else ([], [])
         except RankFailedError as e:  # a tensor-parallel rank is gone: this replica cannot serve on

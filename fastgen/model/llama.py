@@ -408,8 +408,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             for run in self._layer_runs():
                 x = run(x, residual, step)                         # x = the next norm of residual
-        rows = x if batch.logits_all else x[batch.logits_indices]  # a decode step's rows as they are
-        return head_logits(self.head, rows, greedy)                # [num_logits, vocab]
+        return head_logits(self.head, batch.logits_rows(x), greedy)   # [num_logits, vocab]
 
     def embed_normed(self, batch: RaggedBatch, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual, x)``: the embedding of ``batch``'s tokens and the first layer's input norm of it
@@ -611,7 +610,7 @@ class LayerNormCausalLM(LlamaForCausalLM):
         x = self.embed(batch)                                      # [T, hidden]
         for layer in self.layers:
             x = layer(x, step)
-        return head_logits(self.head, self.norm(x[batch.logits_indices]), greedy)   # [num_logits, vocab]
+        return head_logits(self.head, self.norm(batch.logits_rows(x)), greedy)   # [num_logits, vocab]
 
 
 _TOP_GGUF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

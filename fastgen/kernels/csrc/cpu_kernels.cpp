@@ -3221,17 +3221,22 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   return gemv_tracked(x, w, bias, nullptr);
 }
 
-// (y, argmax of each row of y, its value in fp32): gemv with greedy decoding's choice fused in
-// (ArgmaxTrack)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_argmax(const at::Tensor& x, const at::Tensor& w,
-                                                           const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(0) > 0, "gemv_argmax: x [m, k], w [n, k], n > 0");
+// (y, argmax of each row of y, its value in fp32): `product(track)` (gemv_tracked, qgemv_tracked)
+// of x's rows with greedy decoding's choice fused in (ArgmaxTrack)
+template <typename Product>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> with_argmax(const at::Tensor& x, Product&& product) {
   ArgmaxTrack track(x.size(0));
-  at::Tensor y = gemv_tracked(x, w, bias, &track);
+  at::Tensor y = product(&track);
   at::Tensor idx = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   at::Tensor best = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
   track.finish(idx.data_ptr<int64_t>(), best.data_ptr<float>());
   return {y, idx, best};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemv_argmax(const at::Tensor& x, const at::Tensor& w,
+                                                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(0) > 0, "gemv_argmax: x [m, k], w [n, k], n > 0");
+  return with_argmax(x, [&](ArgmaxTrack* track) { return gemv_tracked(x, w, bias, track); });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -4364,19 +4369,12 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc
   return qgemv_tracked(x, qw, scales, mins, kind, act_int8, nullptr);
 }
 
-// (y, argmax of each row of y, its value in fp32): qgemv with greedy decoding's choice fused in
-// (ArgmaxTrack)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qgemv_argmax(const at::Tensor& x, const at::Tensor& qw,
                                                             const at::Tensor& scales,
                                                             const c10::optional<at::Tensor>& mins, int64_t kind,
                                                             bool act_int8) {
   TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.size(0) > 0, "qgemv_argmax: x [m, k], qw [n, bytes], n > 0");
-  ArgmaxTrack track(x.size(0));
-  at::Tensor y = qgemv_tracked(x, qw, scales, mins, kind, act_int8, &track);
-  at::Tensor idx = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  at::Tensor best = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
-  track.finish(idx.data_ptr<int64_t>(), best.data_ptr<float>());
-  return {y, idx, best};
+  return with_argmax(x, [&](ArgmaxTrack* track) { return qgemv_tracked(x, qw, scales, mins, kind, act_int8, track); });
 }
 
 }  // namespace
