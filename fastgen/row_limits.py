@@ -9,6 +9,12 @@ in tiles) above that, and ``qgemm_a8`` (the same tiles in int8 through VNNI) fro
 12-14 rows, where the exact kernels' limit had been 6. So, as for the token budget
 (fastgen/calibrate.py), the engine measures them once per host and model:
 
+0. on AVX-512 hosts, which of ``qgemm_a8``'s two many-row kernels runs: the lane kernel (one
+   output feature per vector lane) against the block kernels (one row per lane), over the
+   model's 4-bit layer products at :data:`A8_KERNEL_ROWS` rows. Their outputs are the same bit
+   for bit; their speed is the host's (Zen 4: the lane kernel 0.93x the block kernels' time over
+   a prefill; Zen 5: twice their time at 64-512 rows). The faster is set for the process
+   (``torch.ops.fastgen.set_a8_lanes``) before the ladders below run through it;
 1. ``qgemm`` against ``qgemm_a8`` over the model's own 4-bit layer products, two threads, from
    memory (all of them each pass, as a prompt chunk reads them), at the rows of
    :data:`A8_LADDER`; ``min_a8_rows`` to ``max_a8_rows`` is the run of those points over which
@@ -63,6 +69,10 @@ A8_LADDER = (2, 4, 8, 12, 16, 32, 64, 128)
 # crossovers differ from the layers' (Zen 4, SmolLM2's Q8_0 head, ms qgemv / qgemm_a8 / qgemm: 8
 # rows 3.2 / 2.0 / 6.0, 16: 6.6 / 3.1 / 5.0; it had the fixed limit, qgemv to 8, qgemm past it)
 HEAD_LADDER = (2, 4, 8, 12, 16)
+# the rows at which qgemm_a8's lane kernel and block kernels are compared: a prompt chunk's rows,
+# past the few-row path (up to 32 rows) where both run (Zen 5, SmolLM2's layer products, ms lane /
+# block kernels: 64 rows 9.1 / 5.5, 256 rows 38 / 17, 512 rows 79 / 37)
+A8_KERNEL_ROWS = 128
 NUM_REPEATS = 3
 MAX_MEASURE_S = 20.0
 NEVER = QuantWeight.MAX_A8_ROWS     # past any row count: min_a8_rows where qgemm_a8 never wins, max_a8_rows unbounded
@@ -78,13 +88,22 @@ class RowLimits:
     # the output head's (None where it has no int8 format): the same, over its own product
     head: "RowLimits | None" = None
     max_a8_rows: int = NEVER            # qgemm_a8 up to this many rows, qgemm past it
+    # (rows, lane kernel ms, block kernels ms) of qgemm_a8's many-row kernels; None where the build
+    # has the block kernels only (AVX2)
+    a8_kernel: tuple[int, float, float] | None = None
+
+    @property
+    def a8_lanes(self) -> bool:
+        """Whether qgemm_a8's many rows take the lane kernel (the faster where both were measured)."""
+        return self.a8_kernel is not None and self.a8_kernel[1] <= self.a8_kernel[2]
 
     @property
     def key(self) -> str:
         """The choice, as the budget's cache key takes it (its curve runs through these kernels)."""
         head = ("" if self.head is None else
                 f",head<={self.head.max_qgemv_rows},a8>={self.head.min_a8_rows},a8<={self.head.max_a8_rows}")
-        return f"|rows<={self.max_qgemv_rows},a8>={self.min_a8_rows},a8<={self.max_a8_rows}{head}"
+        kernel = "" if self.a8_kernel is None else f",a8={'lanes' if self.a8_lanes else 'blocks'}"
+        return f"|rows<={self.max_qgemv_rows},a8>={self.min_a8_rows},a8<={self.max_a8_rows}{kernel}{head}"
 
     def describe(self) -> str:
         a8 = "never" if self.min_a8_rows >= NEVER else str(self.min_a8_rows)
@@ -93,8 +112,13 @@ class RowLimits:
         gv = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.qgemv_points)
         q8 = ", ".join(f"{n}:{a:.1f}/{b:.1f}" for n, a, b in self.a8_points)
         head = "" if self.head is None else f"; output head: {self.head.describe().removeprefix('row limits: ')}"
-        return (f"row limits: qgemv up to {self.max_qgemv_rows} rows, qgemm_a8 from {a8} (ms qgemv/other {gv}; "
-                f"ms qgemm_a8/qgemm {q8}{'; cached' if self.cached else ''}){head}")
+        kernel = ""
+        if self.a8_kernel is not None:
+            rows, lanes, blocks = self.a8_kernel
+            kernel = (f", its many rows in the {'lane kernel' if self.a8_lanes else 'block kernels'} "
+                      f"(ms lane/block kernels at {rows} rows {lanes:.1f}/{blocks:.1f})")
+        return (f"row limits: qgemv up to {self.max_qgemv_rows} rows, qgemm_a8 from {a8}{kernel} (ms qgemv/other "
+                f"{gv}; ms qgemm_a8/qgemm {q8}{'; cached' if self.cached else ''}){head}")
 
 
 def choose_limits(qgemv_points, a8_points) -> tuple[int, int, int]:
@@ -171,6 +195,50 @@ def _qgemm_a8(f: QuantWeight, x: torch.Tensor) -> None:
     f._qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, None, False)
 
 
+def _compare(one_pass: Callable[[int, Callable], float], rows: int, first: Callable, second: Callable,
+             progress: Callable[[], None] | None = None) -> tuple[int, float, float]:
+    """(rows, first's median ms, that plus the median of the paired differences second - first):
+    each pair is measured back to back, in alternating order, so a slow minute of the VM weighs on
+    both kernels of a pair. (With the medians of each kernel alone, one point of the Zen 3 host's
+    ladder came out 300 against 277 ms at 128 rows, where the runs before and after gave 145
+    against 181: qgemm_a8 lost its prompt rows past 64, 1.2x the products' time.)"""
+    one_pass(rows, first), one_pass(rows, second)        # warm-up: buffers, first touch
+    a, diffs = [], []
+    for i in range(NUM_REPEATS):
+        if i % 2 == 0:
+            ta = one_pass(rows, first)
+            tb = one_pass(rows, second)
+        else:
+            tb = one_pass(rows, second)
+            ta = one_pass(rows, first)
+        a.append(ta)
+        diffs.append(tb - ta)
+    if progress is not None:
+        progress()
+    med = statistics.median(a)
+    return rows, med, med + statistics.median(diffs)
+
+
+def measure_a8_kernel(formats: list[QuantWeight], dtype: torch.dtype, progress: Callable[[], None] | None = None,
+                      rows: int = A8_KERNEL_ROWS) -> tuple[int, float, float] | None:
+    """``(rows, lane kernel ms, block kernels ms)`` of qgemm_a8 over ``formats`` at ``rows``; None
+    where this build has the block kernels only. Leaves the process's choice as it found it."""
+    ops = torch.ops.fastgen
+    if not ops.have_a8_lanes():
+        return None
+    was = ops.set_a8_lanes(True)
+
+    def kernel(lanes: bool) -> Callable:
+        def run(f: QuantWeight, x: torch.Tensor) -> None:
+            ops.set_a8_lanes(lanes)
+            _qgemm_a8(f, x)
+        return run
+    try:
+        return _compare(_timer(formats, dtype), rows, kernel(True), kernel(False), progress)
+    finally:
+        ops.set_a8_lanes(was)
+
+
 def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Callable[[], None] | None = None,
                    max_s: float = MAX_MEASURE_S, a8_ladder: tuple[int, ...] = A8_LADDER,
                    qgemv_ladder: tuple[int, ...] = QGEMV_LADDER):
@@ -179,26 +247,7 @@ def measure_points(formats: list[QuantWeight], dtype: torch.dtype, progress: Cal
     start = time.perf_counter()
 
     def compare(rows: int, first: Callable, second: Callable) -> tuple[int, float, float]:
-        """(rows, first's median ms, that plus the median of the paired differences second -
-        first): each pair is measured back to back, in alternating order, so a slow minute of the
-        VM weighs on both kernels of a pair. (With the medians of each kernel alone, one point of
-        the Zen 3 host's ladder came out 300 against 277 ms at 128 rows, where the runs before and
-        after gave 145 against 181: qgemm_a8 lost its prompt rows past 64, 1.2x the products' time.)"""
-        one_pass(rows, first), one_pass(rows, second)        # warm-up: buffers, first touch
-        a, diffs = [], []
-        for i in range(NUM_REPEATS):
-            if i % 2 == 0:
-                ta = one_pass(rows, first)
-                tb = one_pass(rows, second)
-            else:
-                tb = one_pass(rows, second)
-                ta = one_pass(rows, first)
-            a.append(ta)
-            diffs.append(tb - ta)
-        if progress is not None:
-            progress()
-        med = statistics.median(a)
-        return rows, med, med + statistics.median(diffs)
+        return _compare(one_pass, rows, first, second, progress)
 
     a8_points = []
     for n in a8_ladder:
@@ -237,12 +286,13 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
     key = _host_key(config.model_path, config.dtype, config.kernels, config.num_threads, config.cache.block_size,
                     config.device, config.tensor_parallel_size,
                     f"{config.quantization}|a8={config.int8_activations}|rows{QGEMV_LADDER}{A8_LADDER}"
-                    f"|head{HEAD_LADDER}")
+                    f"|head{HEAD_LADDER}|kernel{A8_KERNEL_ROWS}")
     head = head_format(model)
     path: Path = cache_dir() / "row-limits" / f"{key}.json"
-    points, head_points, cached = None, None, False
+    points, head_points, kernel, cached = None, None, None, False
     try:
         data = json.loads(path.read_text())
+        kernel = None if data["a8_kernel"] is None else tuple(data["a8_kernel"])
         points = (tuple(tuple(p) for p in data["qgemv"]), tuple(tuple(p) for p in data["a8"]))
         if head is not None:
             head_points = (tuple(tuple(p) for p in data["head_qgemv"]), tuple(tuple(p) for p in data["head_a8"]))
@@ -252,11 +302,15 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
     if points is None:
         from tqdm.auto import tqdm
 
-        total = len(A8_LADDER) + len(QGEMV_LADDER) + (2 * len(HEAD_LADDER) if head is not None else 0)
+        total = 1 + len(A8_LADDER) + len(QGEMV_LADDER) + (2 * len(HEAD_LADDER) if head is not None else 0)
         start = time.perf_counter()
         with torch.inference_mode(), OtherLoad() as load, tqdm(total=total, desc="measuring kernel row limits",
                                                                unit="size", leave=False) as bar:
-            points = measure_points(formats, config.dtype, progress=lambda: bar.update(1))
+            kernel = measure_a8_kernel(formats, config.dtype, progress=lambda: bar.update(1))
+            if kernel is not None:   # the ladders run through the faster
+                torch.ops.fastgen.set_a8_lanes(kernel[1] <= kernel[2])
+            points = measure_points(formats, config.dtype, progress=lambda: bar.update(1),
+                                    max_s=MAX_MEASURE_S - (time.perf_counter() - start))
             if points is not None and head is not None:
                 head_points = measure_points([head], config.dtype, progress=lambda: bar.update(1),
                                              max_s=MAX_MEASURE_S - (time.perf_counter() - start),
@@ -269,7 +323,7 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
                 raise OSError(f"other processes kept {load.cpus:.1f} CPUs busy while it measured")
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            record = {"qgemv": points[0], "a8": points[1]}
+            record = {"qgemv": points[0], "a8": points[1], "a8_kernel": kernel}
             if head_points is not None:
                 record.update(head_qgemv=head_points[0], head_a8=head_points[1])
             tmp.write_text(json.dumps(record))
@@ -283,6 +337,8 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
         head_limits = RowLimits(head_qgemv, head_a8, head_points[0], head_points[1], cached, max_a8_rows=head_a8_max)
     max_qgemv, min_a8, max_a8 = choose_limits(*points)
     apply_limits(model, formats, max_qgemv, min_a8, max_a8)
-    limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached, head_limits, max_a8)
+    limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached, head_limits, max_a8, kernel)
+    if kernel is not None:   # for the process: the host's choice, whichever engine measured it
+        torch.ops.fastgen.set_a8_lanes(limits.a8_lanes)
     log.info("%s", limits.describe())
     return limits

@@ -298,14 +298,17 @@ def test_int8_activation_gemm_rows_do_not_depend_on_the_block_kernel(bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int8_activation_lane_kernel_gives_the_block_kernels_bits(dtype, bits, monkeypatch):
     """Past the few-row path, AVX-512 hosts multiply prompt rows in the lane kernel (one output
-    feature per vector lane, tiles of 8 rows x 32 features); ``FASTGEN_A8_LANES=0`` sends them
-    to the block kernels (one row per lane), read at each call. Both take each (row, feature)'s
+    feature per vector lane, tiles of 8 rows x 32 features) or the block kernels (one row per
+    lane), whichever measured faster on the host (``set_a8_lanes``; ``FASTGEN_A8_LANES=0``, read
+    at each call, forces the block kernels). Both take each (row, feature)'s
     operations in the same order, so their outputs are the same bit for bit: over tiles of 8 rows
     and a short last one, panels of 32 features and short last ones (fewer than 16, more than
     16, exactly 16), a bias over a short panel, the fused SiLU, one group (k = 32), row counts that
     are multiples of 8 and 32, row chunks (700 x 1536: more than one), zeros and denormals; the
     outputs' bits compared (torch.equal would take -0 for +0)."""
     _skip_without_int8(bits)
+    if not torch.ops.fastgen.have_a8_lanes():
+        pytest.skip("the lane kernel is an AVX-512 path: this build has the block kernels only")
     g = torch.Generator().manual_seed(31 + bits)
     for rows, n, k, silu in ((33, 70, 576, False), (45, 24, 96, True), (100, 8, 64, False),
                              (700, 40, 1536, False), (259, 2 * 56, 576, True), (40, 48, 32, False),
@@ -316,12 +319,22 @@ def test_int8_activation_lane_kernel_gives_the_block_kernels_bits(dtype, bits, m
         x[9, :32] = 0               # an all-zero group
         bias = None if silu else torch.randn(n, generator=g)
         outs = []
-        for lanes in ("1", "0"):
-            monkeypatch.setenv("FASTGEN_A8_LANES", lanes)
-            outs.append(torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, bias, silu))
+        was = torch.ops.fastgen.set_a8_lanes(True)
+        try:
+            for lanes, env in ((True, None), (False, None), (True, "0")):
+                if env is None:
+                    monkeypatch.delenv("FASTGEN_A8_LANES", raising=False)
+                else:
+                    monkeypatch.setenv("FASTGEN_A8_LANES", env)
+                torch.ops.fastgen.set_a8_lanes(lanes)
+                assert torch.ops.fastgen.a8_lanes() == (lanes and env is None)
+                outs.append(torch.ops.fastgen.qgemm_a8(x, q.qweight, q.scales, q.mins, q.kind, bias, silu))
+        finally:
+            torch.ops.fastgen.set_a8_lanes(was)
         assert outs[0].shape == (rows, n // 2 if silu else n)
         bits_of = torch.int32 if dtype == torch.float32 else torch.int16
         assert torch.equal(outs[0].view(bits_of), outs[1].view(bits_of)), (rows, n, k, silu)
+        assert torch.equal(outs[1].view(bits_of), outs[2].view(bits_of)), (rows, n, k, silu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,9 +8,22 @@ from hypothesis import given, settings, strategies as st
 
 from fastgen import kernels
 from fastgen.model.quant import QuantWeight
-from fastgen.row_limits import A8_LADDER, NEVER, a8_formats, apply_limits, choose_limits
+from fastgen.row_limits import A8_KERNEL_ROWS, A8_LADDER, NEVER, RowLimits, a8_formats, apply_limits, choose_limits
 
 from .test_calibrate import _as_if_quiet
+
+
+@pytest.fixture(autouse=True)
+def _a8_kernel_restored():
+    """An engine that measures its row limits sets qgemm_a8's many-row kernel for the process:
+    each test here leaves the choice as it found it."""
+    if not kernels.load():
+        yield
+        return
+    was = torch.ops.fastgen.set_a8_lanes(True)
+    torch.ops.fastgen.set_a8_lanes(was)
+    yield
+    torch.ops.fastgen.set_a8_lanes(was)
 
 
 def _vnni_or_skip() -> None:
@@ -113,11 +126,86 @@ def test_an_engine_measures_its_row_limits_applies_them_and_caches_them(tmp_path
     assert again.cached and again.a8_points == limits.a8_points and again.qgemv_points == limits.qgemv_points
     assert again.head is not None and again.head.qgemv_points == limits.head.qgemv_points
 
+    # qgemm_a8's many-row kernel: measured where the build has both, the faster set for the process
+    if torch.ops.fastgen.have_a8_lanes():
+        assert limits.a8_kernel is not None and limits.a8_kernel[0] == A8_KERNEL_ROWS
+        assert limits.a8_lanes == (limits.a8_kernel[1] <= limits.a8_kernel[2])
+        assert torch.ops.fastgen.a8_lanes() == limits.a8_lanes
+        assert ("a8=lanes" if limits.a8_lanes else "a8=blocks") in limits.key
+        assert again.a8_kernel == limits.a8_kernel
+    else:
+        assert limits.a8_kernel is None and again.a8_kernel is None and not torch.ops.fastgen.a8_lanes()
+
     monkeypatch.setenv("FASTGEN_ROW_LIMITS", "fixed")
     fixed = Engine.from_pretrained(str(tmp_path / "ckpt"), **opts)
     assert fixed.row_limits is None
     assert all(f.max_qgemv_rows == QuantWeight.MAX_QGEMV_ROWS_A8 and f.min_a8_rows == QuantWeight.MIN_A8_ROWS
                for f in a8_formats(fixed.model))
+
+
+@pytest.mark.parametrize("lanes_ms,blocks_ms,want", [(9.0, 4.0, False), (4.0, 9.0, True), (5.0, 5.0, True)])
+def test_the_faster_of_qgemm_a8s_many_row_kernels_serves_the_process(tmp_path, monkeypatch, lanes_ms, blocks_ms,
+                                                                      want):
+    """Where the build has both of qgemm_a8's many-row kernels (AVX-512), the engine's start sets
+    the one that measured faster (ties: the lane kernel) for the process, the ladders run through
+    it, and the budget's cache key names it. Both give the same bits, so a prompt forward's logits
+    do not depend on the choice."""
+    _vnni_or_skip()
+    if not torch.ops.fastgen.have_a8_lanes():
+        pytest.skip("this build has qgemm_a8's block kernels only (no AVX-512)")
+    from fastgen import row_limits
+    from fastgen.engine import Engine
+
+    from ..tiny_model import make_tiny_model
+
+    make_tiny_model(str(tmp_path / "ckpt"))
+    monkeypatch.setenv("FASTGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTGEN_ROW_LIMITS", "auto")
+    _as_if_quiet(monkeypatch)
+    seen = []
+
+    def measured(formats, dtype, progress=None, rows=A8_KERNEL_ROWS):
+        if progress is not None:
+            progress()
+        return rows, lanes_ms, blocks_ms
+
+    real_points = row_limits.measure_points
+
+    def points(*args, **kwargs):   # the ladders run through the chosen kernel
+        seen.append(torch.ops.fastgen.a8_lanes())
+        return real_points(*args, **kwargs)
+
+    monkeypatch.setattr(row_limits, "measure_a8_kernel", measured)
+    monkeypatch.setattr(row_limits, "measure_points", points)
+    torch.ops.fastgen.set_a8_lanes(not want)
+    engine = Engine.from_pretrained(str(tmp_path / "ckpt"), quantization="int4", dtype="bfloat16",
+                                    kernels="native", budget_tokens=64, num_threads=2)
+    limits = engine.row_limits
+    assert limits.a8_kernel == (A8_KERNEL_ROWS, lanes_ms, blocks_ms) and limits.a8_lanes == want
+    assert seen and seen[0] == want and torch.ops.fastgen.a8_lanes() == want
+    assert ("a8=lanes" if want else "a8=blocks") in limits.key
+    assert ("lane kernel" if want else "block kernels") in limits.describe()
+    # the same prompt's logits through either kernel (its 40 rows past the few-row path)
+    from fastgen.batch import SeqInput, build_batch
+
+    for f in a8_formats(engine.model):
+        f.min_a8_rows, f.max_a8_rows = 2, NEVER
+    engine.model.__dict__["_stack"] = None
+    pool = engine.new_pool(4)
+    bs = engine.config.cache.block_size
+    batch = build_batch([SeqInput(list(range(3, 43)), 0, list(range(-(-40 // bs))), 40)], bs, engine.config.device)
+    logits = []
+    for lanes in (True, False):
+        torch.ops.fastgen.set_a8_lanes(lanes)
+        logits.append(engine.model(batch, pool))
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_the_kernel_choice_follows_the_measurement():
+    base = dict(max_qgemv_rows=4, min_a8_rows=16, qgemv_points=(), a8_points=())
+    lanes, blocks = RowLimits(**base, a8_kernel=(128, 3.0, 6.0)), RowLimits(**base, a8_kernel=(128, 6.0, 3.0))
+    assert lanes.a8_lanes and not blocks.a8_lanes and lanes.key != blocks.key
+    assert not RowLimits(**base).a8_lanes and "a8=" not in RowLimits(**base).key.split(",a8<=")[1]
 
 
 def test_row_limits_measured_beside_other_work_serve_this_start_only(tmp_path, monkeypatch):

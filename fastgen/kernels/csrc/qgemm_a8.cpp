@@ -18,7 +18,7 @@
 //   groups turned into words in registers, x's bytes broadcast (qgemm_a8_few);
 // - more rows on AVX-512 hosts: the lane kernel, one output feature per lane too, W's panels of
 //   32 features unpacked once per chunk of rows, tiles of 8 rows (qgemm_a8_lanes);
-// - the block kernels (AVX2 hosts; AVX-512 ones with FASTGEN_A8_LANES=0), lane = row as in
+// - the block kernels (AVX2 hosts; AVX-512 hosts where they measured faster, set_a8_lanes), lane = row as in
 //   qgemm.cpp: a block of MB8 rows of x held as [k/4][MB8] 32-bit words (4 consecutive int8 of
 //   one row), with dx and dx * sum(xq) as [groups][MB8]; a panel of NR8 output features as
 //   [NR8][k/4] words of 4 unsigned bytes, broadcast one at a time. Per group the int32 sums of
@@ -31,6 +31,7 @@
 #include "quant_rows.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -993,6 +994,23 @@ void qgemm_a8_lanes(const T* x, const uint8_t* qw, const uint16_t* scales, const
 }
 #endif
 
+// Which kernel takes qgemm_a8's rows past the few-row path on AVX-512 hosts: the lane kernel
+// (on) or the block kernels. Their outputs are the same bit for bit, their speed is the host's:
+// on the Zen 4 host the lane kernel took 0.926x the block kernels' time over a 2,048-token prefill,
+// on the Zen 5 host twice their time at 64-512 rows (SmolLM2's layer products), so the engine
+// measures both once per host and model (fastgen/row_limits.py) and sets this. FASTGEN_A8_LANES=0
+// sends the rows to the block kernels whatever it holds (A/B measurements; read at each call).
+std::atomic<bool>& a8_lanes_switch() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+bool a8_lanes_on() {
+  const char* v = std::getenv("FASTGEN_A8_LANES");
+  if (v && v[0] == '0') return false;
+  return a8_lanes_switch().load(std::memory_order_relaxed);
+}
+
 template <typename T>
 void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const uint16_t* mins, const float* bias,
                    T* y, int64_t m, int64_t n, int64_t k, int kind, bool silu) {
@@ -1003,10 +1021,8 @@ void qgemm_a8_impl(const T* x, const uint8_t* qw, const uint16_t* scales, const 
     qgemm_a8_few<T>(x, qw, scales, mins, bias, y, m, n, k, kind, silu);
     return;
   }
-  // FASTGEN_A8_LANES=0 sends these rows to the block kernels below (A/B measurements; read at each
-  // call, so that one process can switch)
-  const bool lanes_on = [] { const char* v = std::getenv("FASTGEN_A8_LANES"); return !(v && v[0] == '0'); }();
-  if (lanes_on) {
+  // the lane kernel or the block kernels below, as measured for this host (a8_lanes_on)
+  if (a8_lanes_on()) {
     qgemm_a8_lanes<T>(x, qw, scales, mins, bias, y, m, n, k, kind, silu);
     return;
   }
@@ -1112,11 +1128,36 @@ at::Tensor qgemm_a8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   return y;
 }
 
+// whether this build has the lane kernel (AVX-512 VNNI hosts), which set_a8_lanes chooses
+bool have_a8_lanes() {
+#if defined(FASTGEN_A8_FEW)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// the lane kernel (on) or the block kernels for qgemm_a8's many rows in this process, where the
+// build has both; returns the prior choice
+bool set_a8_lanes(bool on) { return a8_lanes_switch().exchange(on); }
+
+// whether qgemm_a8's many rows take the lane kernel now (FASTGEN_A8_LANES=0 included)
+bool a8_lanes() { return have_a8_lanes() && a8_lanes_on(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastgen, m) {
   m.def("qgemm_a8(Tensor x, Tensor qw, Tensor scales, Tensor? mins, int kind, Tensor? bias=None, "
         "bool silu_mul=False) -> Tensor");
+  m.def("have_a8_lanes() -> bool");
+  m.def("set_a8_lanes(bool on) -> bool");
+  m.def("a8_lanes() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(fastgen, CompositeExplicitAutograd, m) {
+  m.impl("have_a8_lanes", &have_a8_lanes);
+  m.impl("set_a8_lanes", &set_a8_lanes);
+  m.impl("a8_lanes", &a8_lanes);
 }
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
