@@ -70,8 +70,9 @@ A8_LADDER = (2, 4, 8, 12, 16, 32, 64, 128)
 # rows 3.2 / 2.0 / 6.0, 16: 6.6 / 3.1 / 5.0; it had the fixed limit, qgemv to 8, qgemm past it)
 HEAD_LADDER = (2, 4, 8, 12, 16)
 # the rows at which qgemm_a8's lane kernel and block kernels are compared: a prompt chunk's rows,
-# past the few-row path (up to 32 rows) where both run (Zen 5, SmolLM2's layer products, ms lane /
-# block kernels: 64 rows 9.1 / 5.5, 256 rows 38 / 17, 512 rows 79 / 37)
+# past the few-row path (up to 32 rows) where both run (Zen 5, SmolLM2's first layers' products,
+# two threads, GOP/s of the lane / block kernels: 234.7 / 460.9 at 64 rows, 249.5 / 558.7 at 256,
+# 412.6 / 835.3 at 512)
 A8_KERNEL_ROWS = 128
 NUM_REPEATS = 3
 MAX_MEASURE_S = 20.0
@@ -307,7 +308,7 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
         with torch.inference_mode(), OtherLoad() as load, tqdm(total=total, desc="measuring kernel row limits",
                                                                unit="size", leave=False) as bar:
             kernel = measure_a8_kernel(formats, config.dtype, progress=lambda: bar.update(1))
-            if kernel is not None:   # the ladders run through the faster
+            if kernel is not None:   # the ladders run through the faster (kept even if they run out of time)
                 torch.ops.fastgen.set_a8_lanes(kernel[1] <= kernel[2])
             points = measure_points(formats, config.dtype, progress=lambda: bar.update(1),
                                     max_s=MAX_MEASURE_S - (time.perf_counter() - start))
