@@ -885,25 +885,28 @@ __attribute__((always_inline)) inline void lanes_tile(const uint32_t* u, const f
     const float* dg = dx + ((r0 / kLaneRows) * groups + g) * 8;
     const float* eg = dsum + ((r0 / kLaneRows) * groups + g) * 8;
     const uint32_t* ug = u + g * 8 * kLaneFeatures;
-    auto dp = [&](__m512i& i32, __m512i w, int r, int j) {
-      asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(i32) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(xg + r * 32 + 4 * j)));
+    // x's bytes through _mm512_set1_epi32 and the sums as intrinsics' values (GCC broadcasts each
+    // once for the two W vectors): with each sum an asm operand bound to i32[r][h] ("+v", the
+    // bytes as the embedded {1to16}), the Zen 5 build (-march=znver5) kept i32 in memory and
+    // stored every sum to the stack after each vpdpbusd, 128 stores of 64 bytes a group, and the
+    // kernel ran at half the block kernels' rate (the Zen 4 build had not). The same integer sums.
+    auto bx = [&](int r, int j) {   // row r's four bytes of step j, in every lane
+      int32_t v;
+      std::memcpy(&v, xg + r * 32 + 4 * j, 4);
+      return _mm512_set1_epi32(v);
     };
     __m512i i32[R][2];
-    {
-      __m512i w0 = _mm512_load_si512(ug), w1 = _mm512_load_si512(ug + 16);
-      in_reg(w0), in_reg(w1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        i32[r][0] = zeroed_si512(), dp(i32[r][0], w0, r, 0);
-        i32[r][1] = zeroed_si512(), dp(i32[r][1], w1, r, 0);
-      }
-    }
+    for (int r = 0; r < R; ++r) i32[r][0] = _mm512_setzero_si512(), i32[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int j = 1; j < 8; ++j) {
+    for (int j = 0; j < 8; ++j) {
       __m512i w0 = _mm512_load_si512(ug + j * kLaneFeatures), w1 = _mm512_load_si512(ug + j * kLaneFeatures + 16);
       in_reg(w0), in_reg(w1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) dp(i32[r][0], w0, r, j), dp(i32[r][1], w1, r, j);
+      for (int r = 0; r < R; ++r) {
+        const __m512i b = bx(r, j);
+        i32[r][0] = _mm512_dpbusd_epi32(i32[r][0], w0, b), i32[r][1] = _mm512_dpbusd_epi32(i32[r][1], w1, b);
+      }
     }
     const __m512 s0 = _mm512_load_ps(s + g * kLaneFeatures), s1 = _mm512_load_ps(s + g * kLaneFeatures + 16);
     const __m512 m0 = _mm512_load_ps(mn + g * kLaneFeatures), m1 = _mm512_load_ps(mn + g * kLaneFeatures + 16);
