@@ -12,8 +12,9 @@ in tiles) above that, and ``qgemm_a8`` (the same tiles in int8 through VNNI) fro
 0. on AVX-512 hosts, which of ``qgemm_a8``'s two many-row kernels runs: the lane kernel (one
    output feature per vector lane) against the block kernels (one row per lane), over the
    model's 4-bit layer products at :data:`A8_KERNEL_ROWS` rows. Their outputs are the same bit
-   for bit; their speed is the host's (Zen 4: the lane kernel 0.93x the block kernels' time over
-   a prefill; Zen 5: twice their time at 64-512 rows). The faster is set for the process
+   for bit; their speed is the host's and its build's (Zen 4: the lane kernel 0.93x the block
+   kernels' time over a prefill; Zen 5: twice their time while its build kept the lane kernel's
+   sums in memory, level after that was fixed). The faster is set for the process
    (``torch.ops.fastgen.set_a8_lanes``) before the ladders below run through it;
 1. ``qgemm`` against ``qgemm_a8`` over the model's own 4-bit layer products, two threads, from
    memory (all of them each pass, as a prompt chunk reads them), at the rows of
@@ -70,9 +71,9 @@ A8_LADDER = (2, 4, 8, 12, 16, 32, 64, 128)
 # rows 3.2 / 2.0 / 6.0, 16: 6.6 / 3.1 / 5.0; it had the fixed limit, qgemv to 8, qgemm past it)
 HEAD_LADDER = (2, 4, 8, 12, 16)
 # the rows at which qgemm_a8's lane kernel and block kernels are compared: a prompt chunk's rows,
-# past the few-row path (up to 32 rows) where both run (Zen 5, SmolLM2's first layers' products,
-# two threads, GOP/s of the lane / block kernels: 234.7 / 460.9 at 64 rows, 249.5 / 558.7 at 256,
-# 412.6 / 835.3 at 512)
+# past the few-row path (up to 32 rows) where both run (Zen 5, SmolLM2's layer products, two
+# threads, GOP/s of the lane / block kernels: 507 / 562 at 64 rows, 686 / 660 at 256, 856 / 779 at
+# 512; before the lane kernel's sums were kept in registers 235 / 461, 250 / 559, 413 / 835)
 A8_KERNEL_ROWS = 128
 NUM_REPEATS = 3
 MAX_MEASURE_S = 20.0

@@ -1000,8 +1000,9 @@ void qgemm_a8_lanes(const T* x, const uint8_t* qw, const uint16_t* scales, const
 // Which kernel takes qgemm_a8's rows past the few-row path on AVX-512 hosts: the lane kernel
 // (on) or the block kernels. Their outputs are the same bit for bit, their speed is the host's:
 // on the Zen 4 host the lane kernel took 0.926x the block kernels' time over a 2,048-token prefill,
-// on the Zen 5 host twice their time at 64-512 rows (SmolLM2's layer products), so the engine
-// measures both once per host and model (fastgen/row_limits.py) and sets this. FASTGEN_A8_LANES=0
+// on the Zen 5 host 0.97-1.03x (and twice their time while that build kept its sums in memory:
+// lanes_tile), so the engine measures both once per host and model (fastgen/row_limits.py) and
+// sets this. FASTGEN_A8_LANES=0
 // sends the rows to the block kernels whatever it holds (A/B measurements; read at each call).
 std::atomic<bool>& a8_lanes_switch() {
   static std::atomic<bool> on{true};
