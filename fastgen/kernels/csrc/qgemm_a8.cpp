@@ -18,8 +18,8 @@
 //   groups turned into words in registers, x's bytes broadcast (qgemm_a8_few);
 // - more rows on AVX-512 hosts: the lane kernel, one output feature per lane too, W's panels of
 //   32 features unpacked once per chunk of rows, tiles of 8 rows (qgemm_a8_lanes);
-// - the block kernels (AVX2 hosts; AVX-512 hosts where they measured faster, set_a8_lanes), lane = row as in
-//   qgemm.cpp: a block of MB8 rows of x held as [k/4][MB8] 32-bit words (4 consecutive int8 of
+// - the block kernels (AVX2 hosts; AVX-512 hosts where they measured faster: set_a8_lanes),
+//   lane = row as in qgemm.cpp: a block of MB8 rows of x held as [k/4][MB8] 32-bit words (4 consecutive int8 of
 //   one row), with dx and dx * sum(xq) as [groups][MB8]; a panel of NR8 output features as
 //   [NR8][k/4] words of 4 unsigned bytes, broadcast one at a time. Per group the int32 sums of
 //   each (feature, vector of 16 rows) are scaled into fp32 accumulators.
@@ -1002,8 +1002,8 @@ void qgemm_a8_lanes(const T* x, const uint8_t* qw, const uint16_t* scales, const
 // on the Zen 4 host the lane kernel took 0.926x the block kernels' time over a 2,048-token prefill,
 // on the Zen 5 host 0.97-1.03x (and twice their time while that build kept its sums in memory:
 // lanes_tile), so the engine measures both once per host and model (fastgen/row_limits.py) and
-// sets this. FASTGEN_A8_LANES=0
-// sends the rows to the block kernels whatever it holds (A/B measurements; read at each call).
+// sets this. FASTGEN_A8_LANES=0 sends the rows to the block kernels whatever it holds (A/B
+// measurements; read at each call).
 std::atomic<bool>& a8_lanes_switch() {
   static std::atomic<bool> on{true};
   return on;
