@@ -97,7 +97,7 @@ class RowLimits:
     @property
     def a8_lanes(self) -> bool:
         """Whether qgemm_a8's many rows take the lane kernel (the faster where both were measured)."""
-        return self.a8_kernel is not None and self.a8_kernel[1] <= self.a8_kernel[2]
+        return lanes_win(self.a8_kernel)
 
     @property
     def key(self) -> str:
@@ -221,6 +221,19 @@ def _compare(one_pass: Callable[[int, Callable], float], rows: int, first: Calla
     return rows, med, med + statistics.median(diffs)
 
 
+def lanes_win(kernel: tuple[int, float, float] | None) -> bool:
+    """Whether the lane kernel is the faster of ``(rows, lane kernel ms, block kernels ms)`` (ties:
+    it is); False where nothing was measured (the build has the block kernels only)."""
+    return kernel is not None and kernel[1] <= kernel[2]
+
+
+def apply_a8_kernel(kernel: tuple[int, float, float] | None) -> None:
+    """Set the measured choice for the process (nothing where nothing was measured): the host's,
+    whichever engine measured it; the ladders then run through it."""
+    if kernel is not None:
+        torch.ops.fastgen.set_a8_lanes(lanes_win(kernel))
+
+
 def measure_a8_kernel(formats: list[QuantWeight], dtype: torch.dtype, progress: Callable[[], None] | None = None,
                       rows: int = A8_KERNEL_ROWS) -> tuple[int, float, float] | None:
     """``(rows, lane kernel ms, block kernels ms)`` of qgemm_a8 over ``formats`` at ``rows``; None
@@ -295,6 +308,7 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
     try:
         data = json.loads(path.read_text())
         kernel = None if data["a8_kernel"] is None else tuple(data["a8_kernel"])
+        apply_a8_kernel(kernel)
         points = (tuple(tuple(p) for p in data["qgemv"]), tuple(tuple(p) for p in data["a8"]))
         if head is not None:
             head_points = (tuple(tuple(p) for p in data["head_qgemv"]), tuple(tuple(p) for p in data["head_a8"]))
@@ -309,8 +323,7 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
         with torch.inference_mode(), OtherLoad() as load, tqdm(total=total, desc="measuring kernel row limits",
                                                                unit="size", leave=False) as bar:
             kernel = measure_a8_kernel(formats, config.dtype, progress=lambda: bar.update(1))
-            if kernel is not None:   # the ladders run through the faster (kept even if they run out of time)
-                torch.ops.fastgen.set_a8_lanes(kernel[1] <= kernel[2])
+            apply_a8_kernel(kernel)   # kept even where the ladders run out of time
             points = measure_points(formats, config.dtype, progress=lambda: bar.update(1),
                                     max_s=MAX_MEASURE_S - (time.perf_counter() - start))
             if points is not None and head is not None:
@@ -340,7 +353,5 @@ def calibrate_row_limits(model: torch.nn.Module, config) -> RowLimits | None:
     max_qgemv, min_a8, max_a8 = choose_limits(*points)
     apply_limits(model, formats, max_qgemv, min_a8, max_a8)
     limits = RowLimits(max_qgemv, min_a8, points[0], points[1], cached, head_limits, max_a8, kernel)
-    if kernel is not None:   # for the process: the host's choice, whichever engine measured it
-        torch.ops.fastgen.set_a8_lanes(limits.a8_lanes)
     log.info("%s", limits.describe())
     return limits
